@@ -1,0 +1,95 @@
+"""MLA attention over a mixed-precision latent cache, in expanded or absorbed form (SPEC §1, §5).
+
+The cache holds, per layer, the latent `C` (T × d_c) and the RoPE key `K_R` (T × d_r) twice: as
+written (BF16/model dtype) and quantize-dequantized. Query t reads token j from the unquantized
+copy iff j is *protected* (j < sink or t − j < recent), otherwise from the dequantized copy: every
+token exactly once, nothing evicted.
+
+- Expanded form (prefill): keys/values of both copies are expanded through `kv_b_proj` and one
+  softmax runs over the two copies with complementary masks (a single fused SDPA call).
+- Absorbed form (decode): `q̃ = q^C W_UKᵀ` scores the latent directly; the quantized region and the
+  gathered protected rows are computed separately and merged by the online-softmax rule.
+Both forms compute the same function; `choose_form` picks the cheaper one per call.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+class SoftmaxPartial(NamedTuple):
+    """One region's softmax statistics: row max m, exp-sum ℓ, unnormalised weighted sum o."""
+
+    m: torch.Tensor  # (..., n, 1)
+    l: torch.Tensor  # (..., n, 1)  # noqa: E741
+    o: torch.Tensor  # (..., n, d)
+
+
+def softmax_partial(scores: torch.Tensor, allowed: torch.Tensor, values: torch.Tensor) -> SoftmaxPartial:
+    """Partial softmax of `scores` (..., n, T) restricted to `allowed`, applied to `values` (..., T, d)."""
+    scores = scores.float().masked_fill(~allowed, float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(scores - m_safe)
+    return SoftmaxPartial(m, p.sum(dim=-1, keepdim=True), p @ values.float())
+
+
+def merge_partials(*parts: SoftmaxPartial) -> torch.Tensor:
+    """Online-softmax merge (SPEC §5): m = max mᵢ, ℓ = Σ e^{mᵢ−m} ℓᵢ, o = Σ e^{mᵢ−m} oᵢ / ℓ.
+
+    Empty regions (m = −inf) weigh zero; a row empty in every region returns zeros.
+    """
+    m = torch.stack([p.m for p in parts]).amax(dim=0)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    weights = [torch.exp(p.m - m_safe) for p in parts]
+    l_total = sum(w * p.l for w, p in zip(weights, parts))
+    o_total = sum(w * p.o for w, p in zip(weights, parts))
+    return o_total / torch.where(l_total > 0, l_total, torch.ones_like(l_total))
+
+
+def protected_mask(q_slots: torch.Tensor, kv_len: int, sink: int, recent: int) -> torch.Tensor:
+    """(n, T) bool: key j is read unquantized by query slot t iff j < sink or t − j < recent."""
+    j = torch.arange(kv_len, device=q_slots.device)
+    return (j[None, :] < sink) | (q_slots[:, None] - j[None, :] < recent)
+
+
+def choose_form(n_queries: int, kv_len: int, d_c: int, d_r: int, d_nope: int, d_v: int, n_copies: int) -> str:
+    """Cheaper of the two forms by multiply-add count (per head; both scale with the head count)."""
+    expanded = n_copies * kv_len * d_c * (d_nope + d_v) + n_copies * n_queries * kv_len * (d_nope + d_r + d_v)
+    absorbed = n_queries * (d_nope * d_c + d_c * d_v) + n_queries * kv_len * (2 * d_c + d_r) * min(n_copies, 2)
+    return "absorbed" if absorbed < expanded else "expanded"
+
+
+def expanded_attention(q_nope, q_rot, regions, w_kv_b, d_nope, scaling):
+    """Expand every region's latent to per-head K/V, one SDPA over all regions with disjoint masks.
+
+    regions: list of (c (B,T,d_c), k_rot (B,T,d_r), allowed (B,1,n,T) bool).
+    Returns (B, H, n, d_v).
+    """
+    b, h, n, _ = q_nope.shape
+    c = torch.cat([r[0] for r in regions], dim=1)
+    k_rot = torch.cat([r[1] for r in regions], dim=1)
+    allowed = torch.cat([r[2] for r in regions], dim=-1)
+    allowed = allowed | ~allowed.any(dim=-1, keepdim=True)  # rows with no key (padding): finite, unused
+    kv = F.linear(c, w_kv_b).view(b, c.shape[1], h, -1).transpose(1, 2)
+    k_nope, v = kv.split([d_nope, kv.shape[-1] - d_nope], dim=-1)
+    k = torch.cat([k_nope, k_rot[:, None].expand(b, h, -1, -1)], dim=-1)
+    q = torch.cat([q_nope, q_rot], dim=-1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling)
+
+
+def absorbed_attention(q_nope, q_rot, regions, w_uk, w_uv, scaling):
+    """Score the latent directly: q̃ = q^C W_UKᵀ, one softmax partial per region, online merge,
+    then W_UV per head. Same arguments as `expanded_attention`, W_UK (H,d_nope,d_c), W_UV (H,d_v,d_c)."""
+    q_abs = torch.einsum("bhnd,hdc->bhnc", q_nope.float(), w_uk.float())
+    parts = []
+    for c, k_rot, allowed in regions:
+        scores = torch.einsum("bhnc,btc->bhnt", q_abs, c.float()) + torch.einsum(
+            "bhnr,btr->bhnt", q_rot.float(), k_rot.float()
+        )
+        parts.append(softmax_partial(scores * scaling, allowed, c[:, None]))
+    latent = merge_partials(*parts)  # (B, H, n, d_c)
+    return torch.einsum("bhnc,hvc->bhnv", latent, w_uv.float()).to(q_nope.dtype)

@@ -1,0 +1,89 @@
+"""The project's own small MLA testbed: its byte-level BPE tokenizer and its DeepSeek-V3-architecture config.
+
+Design choices (see README):
+- `q_lora_rank=None`: queries come from one `q_proj`, as in DeepSeek-V2-Lite and Moonlight, the
+  paper's two main models, so the tiny model exercises the same query path as they do.
+- `rope_interleave=True`: the V3/Moonlight checkpoint layout (pre-RoPE pairs interleaved, cached
+  k_R half-split), the layout where a wrong pairing breaks RoPE-transform fusion.
+- `qk_rope_head_dim=64` (one quantization group, as in every real model), `kv_lora_rank=128`
+  (two content groups), dense MLP (MoE adds nothing to cache quantization).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+SPECIAL_TOKENS = {"bos": "<|bos|>", "eos": "<|eos|>", "pad": "<|pad|>"}
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int):
+    """A byte-level BPE trained on `texts`, wrapped as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=SPECIAL_TOKENS["bos"],
+        eos_token=SPECIAL_TOKENS["eos"],
+        pad_token=SPECIAL_TOKENS["pad"],
+        model_max_length=1 << 20,
+    )
+
+
+def tiny_mla_config(
+    vocab_size: int,
+    hidden_size: int = 256,
+    num_layers: int = 6,
+    num_heads: int = 4,
+    kv_lora_rank: int = 128,
+    qk_nope_head_dim: int = 64,
+    qk_rope_head_dim: int = 64,
+    v_head_dim: int = 64,
+    intermediate_size: int = 768,
+    max_position_embeddings: int = 2048,
+    rope_theta: float = 10000.0,
+    bos_token_id: int = 0,
+    eos_token_id: int = 1,
+    pad_token_id: int = 2,
+):
+    """A dense DeepSeek-V3-architecture config for the tiny testbed (every layer dense, no MoE)."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        moe_intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        first_k_dense_replace=num_layers,  # all layers dense
+        n_routed_experts=1,
+        num_experts_per_tok=1,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        q_lora_rank=None,
+        kv_lora_rank=kv_lora_rank,
+        qk_nope_head_dim=qk_nope_head_dim,
+        qk_rope_head_dim=qk_rope_head_dim,
+        v_head_dim=v_head_dim,
+        rope_interleave=True,
+        max_position_embeddings=max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        tie_word_embeddings=True,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        num_nextn_predict_layers=0,
+    )

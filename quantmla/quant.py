@@ -1,0 +1,118 @@
+"""The quantizer (SPEC §2): per-token asymmetric affine, groups of `group_size` along the last axis.
+
+For a group x and b bits: m = 2^b - 1, s = (max x - min x)/m, z = round(-min x / s),
+q = clamp(round(x/s) + z, 0, m), x̂ = (q - z)·s, with round-half-to-even (`torch.round`).
+This module is the only place the math lives: fake-quant evaluation, calibration (STE) and the
+packed cache all call it.
+
+Choice (constant groups): s is floored at `SCALE_FLOOR` (1e-8). A constant group then gets
+q = 0, z = round(-x/s) and reconstructs to x within the metadata dtype's rounding, never NaN/Inf.
+Metadata (s, z) is rounded to `meta_dtype` before dequantization, as the packed cache stores it:
+BF16 for the content latent, FP32 for the RoPE key.
+Non-finite input stays inside its own group: a NaN/Inf in one group never changes another group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quantmla.errors import ConfigError
+
+SCALE_FLOOR = 1e-8
+PACKABLE_BITS = (2, 4, 8)
+
+
+def check_bits(bits: int, field: str = "bits") -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ConfigError(field, bits, "an integer in 1..8")
+    return bits
+
+
+def _grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    if group_size < 1 or x.shape[-1] % group_size:
+        raise ConfigError("group_size", group_size, f"a positive divisor of the last dimension ({x.shape[-1]})")
+    return x.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
+
+
+def round_ste(v: torch.Tensor) -> torch.Tensor:
+    """Round-half-to-even forward, identity backward (straight-through estimator)."""
+    return v + (torch.round(v) - v).detach()
+
+
+@dataclass
+class Quantized:
+    """Integer codes (uint8, one per element, grouped shape (..., n_groups, g)) plus per-group metadata."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor  # (..., n_groups, 1), meta dtype
+    zero: torch.Tensor  # (..., n_groups, 1), meta dtype
+    bits: int
+
+
+def _codes(x: torch.Tensor, bits: int, group_size: int, meta_dtype: torch.dtype | None, ste: bool):
+    """Grouped float codes (not yet cast), scale and zero; float32 math whatever x's dtype."""
+    check_bits(bits)
+    xg = _grouped(x.float(), group_size)
+    levels = 2**bits - 1
+    lo = xg.amin(dim=-1, keepdim=True)
+    hi = xg.amax(dim=-1, keepdim=True)
+    scale = ((hi - lo) / levels).clamp_min(SCALE_FLOOR)
+    rnd = round_ste if ste else torch.round
+    zero = rnd(-lo / scale)
+    if meta_dtype is not None:
+        # The stored metadata's precision; differentiable casts keep STE gradients flowing.
+        scale, zero = scale.to(meta_dtype).float(), zero.to(meta_dtype).float()
+    codes = torch.clamp(rnd(xg / scale) + zero, 0, levels)
+    return codes, scale, zero
+
+
+def quantize(x: torch.Tensor, bits: int, group_size: int = 64, meta_dtype: torch.dtype | None = None) -> Quantized:
+    """Codes and metadata of `x` (last axis grouped). Computed in float32 whatever x's dtype."""
+    codes, scale, zero = _codes(x, bits, group_size, meta_dtype, ste=False)
+    store = meta_dtype or torch.float32
+    return Quantized(codes.to(torch.uint8), scale.to(store), zero.to(store), bits)
+
+
+def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x̂ = (q - z)·s, back to the ungrouped shape."""
+    out = (q.codes.float() - q.zero.float()) * q.scale.float()
+    return out.flatten(-2).to(dtype)
+
+
+def quantize_dequantize(
+    x: torch.Tensor,
+    bits: int,
+    group_size: int = 64,
+    meta_dtype: torch.dtype | None = None,
+    ste: bool = False,
+) -> torch.Tensor:
+    """Fake-quantize `x` (any leading shape, last axis grouped); returns x's dtype.
+
+    `ste=True` uses the straight-through estimator on rounding only, so gradients reach x through
+    x/s and through s and z (calibration). `meta_dtype` rounds s and z as the packed cache stores them.
+    """
+    codes, scale, zero = _codes(x, bits, group_size, meta_dtype, ste)
+    return ((codes - zero) * scale).flatten(-2).to(x.dtype)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer codes (< 2^bits) along the last axis into uint8, little-end first; 8/bits codes a byte."""
+    if bits not in PACKABLE_BITS:
+        raise ConfigError("pack bits", bits, PACKABLE_BITS)
+    per_byte = 8 // bits
+    if codes.shape[-1] % per_byte:
+        raise ConfigError("pack last dimension", codes.shape[-1], f"a multiple of {per_byte}")
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], -1, per_byte)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    return (c << shifts).sum(dim=-1, dtype=torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `pack`: uint8 codes, last axis 8/bits times longer."""
+    if bits not in PACKABLE_BITS:
+        raise ConfigError("pack bits", bits, PACKABLE_BITS)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    mask = (1 << bits) - 1
+    return ((packed.unsqueeze(-1) >> shifts) & mask).flatten(-2)
