@@ -20,6 +20,11 @@ import torch
 import torch.nn.functional as F
 
 
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """At least float32 for softmax and accumulation (float64 stays float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class SoftmaxPartial(NamedTuple):
     """One region's softmax statistics: row max m, exp-sum ℓ, unnormalised weighted sum o."""
 
@@ -30,11 +35,11 @@ class SoftmaxPartial(NamedTuple):
 
 def softmax_partial(scores: torch.Tensor, allowed: torch.Tensor, values: torch.Tensor) -> SoftmaxPartial:
     """Partial softmax of `scores` (..., n, T) restricted to `allowed`, applied to `values` (..., T, d)."""
-    scores = scores.float().masked_fill(~allowed, float("-inf"))
+    scores = _acc(scores).masked_fill(~allowed, float("-inf"))
     m = scores.amax(dim=-1, keepdim=True)
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(scores - m_safe)
-    return SoftmaxPartial(m, p.sum(dim=-1, keepdim=True), p @ values.float())
+    return SoftmaxPartial(m, p.sum(dim=-1, keepdim=True), p @ _acc(values))
 
 
 def merge_partials(*parts: SoftmaxPartial) -> torch.Tensor:
@@ -84,12 +89,12 @@ def expanded_attention(q_nope, q_rot, regions, w_kv_b, d_nope, scaling):
 def absorbed_attention(q_nope, q_rot, regions, w_uk, w_uv, scaling):
     """Score the latent directly: q̃ = q^C W_UKᵀ, one softmax partial per region, online merge,
     then W_UV per head. Same arguments as `expanded_attention`, W_UK (H,d_nope,d_c), W_UV (H,d_v,d_c)."""
-    q_abs = torch.einsum("bhnd,hdc->bhnc", q_nope.float(), w_uk.float())
+    q_abs = torch.einsum("bhnd,hdc->bhnc", _acc(q_nope), _acc(w_uk))
     parts = []
     for c, k_rot, allowed in regions:
-        scores = torch.einsum("bhnc,btc->bhnt", q_abs, c.float()) + torch.einsum(
-            "bhnr,btr->bhnt", q_rot.float(), k_rot.float()
+        scores = torch.einsum("bhnc,btc->bhnt", q_abs, _acc(c)) + torch.einsum(
+            "bhnr,btr->bhnt", _acc(q_rot), _acc(k_rot)
         )
         parts.append(softmax_partial(scores * scaling, allowed, c[:, None]))
     latent = merge_partials(*parts)  # (B, H, n, d_c)
-    return torch.einsum("bhnc,hvc->bhnv", latent, w_uv.float()).to(q_nope.dtype)
+    return torch.einsum("bhnc,hvc->bhnv", latent, _acc(w_uv)).to(q_nope.dtype)

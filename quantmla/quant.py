@@ -52,9 +52,9 @@ class Quantized:
 
 
 def _codes(x: torch.Tensor, bits: int, group_size: int, meta_dtype: torch.dtype | None, ste: bool):
-    """Grouped float codes (not yet cast), scale and zero; float32 math whatever x's dtype."""
+    """Grouped float codes (not yet cast), scale and zero; at least float32 math (float64 stays float64)."""
     check_bits(bits)
-    xg = _grouped(x.float(), group_size)
+    xg = _grouped(x.to(torch.promote_types(x.dtype, torch.float32)), group_size)
     levels = 2**bits - 1
     lo = xg.amin(dim=-1, keepdim=True)
     hi = xg.amax(dim=-1, keepdim=True)
@@ -63,13 +63,13 @@ def _codes(x: torch.Tensor, bits: int, group_size: int, meta_dtype: torch.dtype 
     zero = rnd(-lo / scale)
     if meta_dtype is not None:
         # The stored metadata's precision; differentiable casts keep STE gradients flowing.
-        scale, zero = scale.to(meta_dtype).float(), zero.to(meta_dtype).float()
+        scale, zero = scale.to(meta_dtype).to(xg.dtype), zero.to(meta_dtype).to(xg.dtype)
     codes = torch.clamp(rnd(xg / scale) + zero, 0, levels)
     return codes, scale, zero
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int = 64, meta_dtype: torch.dtype | None = None) -> Quantized:
-    """Codes and metadata of `x` (last axis grouped). Computed in float32 whatever x's dtype."""
+    """Codes and metadata of `x` (last axis grouped), computed in at least float32."""
     codes, scale, zero = _codes(x, bits, group_size, meta_dtype, ste=False)
     store = meta_dtype or torch.float32
     return Quantized(codes.to(torch.uint8), scale.to(store), zero.to(store), bits)

@@ -1,0 +1,102 @@
+"""Loading MLA models: real checkpoints (local path or hub id), random-init models from published
+configs shrunk for tests, and the project's tiny model. Never `trust_remote_code` unless asked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from quantmla.errors import ConfigError, DataNotFoundError
+from quantmla.models.adapters import ADAPTERS, MODEL_TYPE_ALIASES
+
+# Published model_types with no transformers class, mapped onto the family that runs their MLA.
+# longcat_flash_ngram: LongCat-Flash-Lite's n-gram embedding front end has no class here; its
+# decoder (and so every MLA block) is LongCat-Flash's. Only used for random-init tests.
+CONFIG_ONLY_ALIASES = {"longcat_flash_ngram": "longcat_flash"}
+_DROP_KEYS = ("auto_map", "quantization_config", "transformers_version", "architectures")
+
+
+def config_from_dict(raw: dict):
+    """A transformers config from a published config.json dict, aliases remapped."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in raw.items() if k not in _DROP_KEYS}
+    model_type = fields.pop("model_type", None)
+    model_type = MODEL_TYPE_ALIASES.get(model_type, CONFIG_ONLY_ALIASES.get(model_type, model_type))
+    if model_type not in ADAPTERS:
+        raise ConfigError("model_type", raw.get("model_type"), sorted(ADAPTERS) + sorted(MODEL_TYPE_ALIASES))
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def shrink_config(config, num_layers: int = 2, vocab_size: int = 256, max_heads: int = 16,
+                  n_experts: int = 4, ffn_size: int = 64, dtype: torch.dtype = torch.float32):
+    """Fewer layers, experts, vocab and FFN width; MLA dims and RoPE settings untouched.
+
+    Heads are capped at `max_heads` (the 64/128-head models), everything else of attention is kept.
+    Layer 0 stays dense and layer 1 MoE, so both MLP kinds run.
+    """
+    c = config
+    if c.model_type == "longcat_flash":
+        c.num_layers = max(1, num_layers // 2)  # two MLA blocks per decoder layer
+        c.ffn_hidden_size = c.expert_ffn_hidden_size = ffn_size
+        c.moe_topk = min(2, n_experts)
+        c.zero_expert_num = min(getattr(c, "zero_expert_num", 0) or 0, 2)
+    else:
+        c.num_hidden_layers = num_layers
+        c.intermediate_size = c.moe_intermediate_size = ffn_size
+        c.num_experts_per_tok = min(2, n_experts)
+        c.first_k_dense_replace = 1
+        if hasattr(c, "mlp_layer_types"):
+            c.mlp_layer_types = ["dense"] + ["sparse"] * (num_layers - 1)
+        for name in ("n_group", "topk_group"):
+            if getattr(c, name, None) is not None:
+                setattr(c, name, 1)
+        c.num_nextn_predict_layers = 0
+    c.n_routed_experts = n_experts
+    c.vocab_size = vocab_size
+    if c.num_attention_heads > max_heads:
+        c.num_attention_heads = c.num_key_value_heads = max_heads
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(c, name, None)
+        if value is not None and (isinstance(value, list) or value >= vocab_size):
+            setattr(c, name, None if name == "pad_token_id" else 0)
+    c.dtype = dtype
+    return c
+
+
+def random_model_from_config_file(path: str | os.PathLike, seed: int = 0, experts_implementation: str | None = None,
+                                  **shrink):
+    """A random-init, shrunk model from a published config.json (tests and benchmarks).
+
+    `experts_implementation="eager"` runs MoE experts in any dtype (grouped_mm has no float64).
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = shrink_config(config_from_dict(json.loads(Path(path).read_text())), **shrink)
+    torch.manual_seed(seed)
+    extra = {"experts_implementation": experts_implementation} if experts_implementation else {}
+    return AutoModelForCausalLM.from_config(config, dtype=config.dtype, **extra).eval()
+
+
+def load_pretrained(path_or_id: str, dtype: str = "auto", trust_remote_code: bool = False, device: str = "cpu"):
+    """A checkpoint (local folder or hub id) and its tokenizer; `kimi_k2` loads as DeepSeek-V3."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    local = Path(path_or_id).expanduser()
+    looks_local = path_or_id.startswith((".", "/", "~")) or local.exists()
+    if looks_local and not (local / "config.json").is_file():
+        raise DataNotFoundError(
+            f"model.path={path_or_id!r}: no config.json there; set model.path to a checkpoint folder or a hub id"
+        )
+    raw = json.loads((local / "config.json").read_text()) if looks_local else None
+    config = config_from_dict(raw) if raw is not None else None
+    torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        path_or_id, config=config, dtype=torch_dtype, trust_remote_code=trust_remote_code
+    ).to(device)
+    tokenizer = AutoTokenizer.from_pretrained(path_or_id, trust_remote_code=trust_remote_code)
+    return model.eval(), tokenizer

@@ -1,0 +1,86 @@
+"""The cache simulator on random-init models built from every published config in shared/."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from quantmla import patch_model, set_policy, unpatch_model
+from quantmla.models.loading import random_model_from_config_file
+from quantmla.quant import quantize_dequantize
+from tests.conftest import MODEL_CONFIGS, rel_err
+
+if not MODEL_CONFIGS:
+    pytest.skip("shared/model-configs not found", allow_module_level=True)
+
+T = 24
+
+
+@pytest.fixture(scope="module", params=MODEL_CONFIGS, ids=lambda p: p.stem)
+def model(request):
+    return random_model_from_config_file(request.param, max_heads=8, experts_implementation="eager")
+
+
+@pytest.fixture
+def fresh(model):
+    yield model
+    unpatch_model(model).float()
+
+
+def tokens(seed=0, length=T):
+    return torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("form", ["expanded", "absorbed"])
+def test_bf16_patch_is_transparent(fresh, form):
+    x = tokens()
+    ref = fresh(x).logits
+    patch_model(fresh, "bf16", form=form)
+    assert rel_err(fresh(x).logits, ref) <= 1e-5
+
+
+@torch.no_grad()
+def test_full_protection_equals_bf16(fresh):
+    x = tokens(1)
+    ref = fresh(x).logits
+    patch_model(fresh, "c4r4", sink=4, recent=T - 4)
+    assert rel_err(fresh(x).logits, ref) <= 1e-5
+    set_policy(fresh, sink=0, recent=0)
+    assert rel_err(fresh(x).logits, ref) > 1e-4  # the quantizer really is on
+
+
+class QDQCache(DynamicCache):
+    """transformers' own cache, returning the quantize-dequantized history (C4R4, no protection)."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        c, k_rot = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        return (
+            quantize_dequantize(c, 4, meta_dtype=torch.bfloat16),
+            quantize_dequantize(k_rot, 4, meta_dtype=torch.float32),
+        )
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("form", ["expanded", "absorbed"])
+def test_no_protection_equals_transformers_on_dequantized_cache(fresh, form):
+    # float64: a last-bit difference between two float32 orders of summation can flip a rounding
+    # code in a later layer and show up as a 1e-4 logit change; in float64 that cannot happen.
+    fresh.double()
+    x = tokens(2)
+    ref = fresh(x, cache=QDQCache(config=fresh.config), use_cache=True).logits
+    patch_model(fresh, "c4r4", sink=0, recent=0, form=form)
+    assert rel_err(fresh(x).logits, ref) <= 1e-5
+
+
+@torch.no_grad()
+def test_prefill_equals_generate_steps_with_protection(fresh):
+    fresh.double()  # see above: no rounding-code flips between the two orders of summation
+    prompt = tokens(3, length=9)[:1].clamp_min(1)  # token 0 is the pad id: keep it out of the prompt
+    patch_model(fresh, "c4r4", sink=2, recent=5)
+    out = fresh.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, min_new_tokens=10,
+        do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+    )
+    steps = torch.stack(out.logits, dim=1)
+    prefill = fresh(out.sequences).logits[:, prompt.shape[1] - 1 : -1]
+    assert rel_err(steps, prefill) <= 1e-5
