@@ -21,7 +21,7 @@ from torch import nn
 
 from quantmla.attention import absorbed_attention, choose_form, expanded_attention, protected_mask
 from quantmla.errors import ConfigError, NonFiniteCacheError
-from quantmla.models.adapters import MLAAdapter, MLAGeometry, get_adapter
+from quantmla.models.adapters import MLAAdapter, get_adapter
 from quantmla.quant import quantize_dequantize
 
 UNQUANTIZED_BITS = 16
@@ -85,10 +85,11 @@ class CachePolicy:
     def bits(self) -> CachePrecision:
         return parse_precision(self.precision)
 
-    def check_geometry(self, geometry: MLAGeometry) -> None:
+    def check_dims(self, d_c: int, d_r: int) -> None:
+        """The group size must divide both cached widths (only when something is quantized)."""
         if not self.bits.quantized:
             return
-        for name, dim in (("d_c", geometry.d_c), ("d_r", geometry.d_r)):
+        for name, dim in (("d_c", d_c), ("d_r", d_r)):
             if dim % self.group_size:
                 raise ConfigError("group_size", self.group_size, f"a divisor of {name}={dim} (and of the other path)")
 
@@ -187,7 +188,7 @@ def patch_model(model: nn.Module, precision: str = "c4r4", sink: int = 4, recent
         raise ConfigError("model", type(model).__name__, f"a model with {adapter.attention_class_name} modules")
     geometries = [adapter.geometry(m) for m in modules]
     for g in geometries:
-        policy.check_geometry(g)
+        policy.check_dims(g.d_c, g.d_r)
     for module, geometry in zip(modules, geometries):
         module.quantmla_policy = policy
         module.quantmla_geometry = geometry
@@ -208,7 +209,7 @@ def set_policy(model: nn.Module, **changes) -> None:
     """Change fields of the policy of every patched module (e.g. precision='bf16')."""
     for module in patched_modules(model):
         module.quantmla_policy = replace(module.quantmla_policy, **changes)
-        module.quantmla_policy.check_geometry(module.quantmla_geometry)
+        module.quantmla_policy.check_dims(module.quantmla_geometry.d_c, module.quantmla_geometry.d_r)
 
 
 def patched_modules(model: nn.Module) -> list[nn.Module]:

@@ -1,0 +1,105 @@
+"""Structured-config schemas of the Hydra app (`conf/`), and validation before any heavy work."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+
+from quantmla.errors import ConfigError, DataNotFoundError
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny_mla"
+    path: str = "assets/tiny-mla"  # local checkpoint folder (relative to the repo) or hub id
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
+    device: str = "cpu"
+    eval_seqlen: int = 512  # perplexity window length
+    trust_remote_code: bool = False
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "c4r4"  # 'bf16' or 'c<x>r<y>'
+    sink: int = 4
+    recent: int = 128
+    group_size: int = 64
+
+
+@dataclass
+class MethodConfig:
+    name: str = "rtn"
+
+
+@dataclass
+class DataConfig:
+    data_dir: str | None = None  # local data folder; None -> $QUANTMLA_DATA_DIR, else the hub
+
+
+@dataclass
+class EvalConfig:
+    datasets: list[str] = field(default_factory=lambda: ["wikitext2"])
+    splits: dict[str, str] = field(default_factory=lambda: {"wikitext2": "test", "c4": "eval"})
+    max_windows: int | None = None  # cap on windows per dataset (None: all)
+    batch_size: int = 4
+    compare_bf16: bool = True  # also measure the unquantized model in the same job
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    experiment_name: str = "default"
+    seed: int = 0
+    results_dir: str = "results"
+    force: bool = False  # recompute even if a record with this config hash exists
+    threads: int = 0  # torch threads (0: leave torch's default)
+
+
+ConfigStore.instance().store(name="run_schema", node=RunConfig)
+
+METHODS = ("rtn",)
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+DATASETS = ("wikitext2", "c4")
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[1]
+
+
+def resolve_model_path(path: str) -> str:
+    """Repo-relative local paths resolve against the repository; anything else is returned as is."""
+    candidate = repo_root() / path
+    return str(candidate) if not Path(path).is_absolute() and candidate.exists() else path
+
+
+def validate(cfg: RunConfig) -> None:
+    """Every check that needs no model: one-line errors naming the field, value and what is allowed."""
+    from quantmla.data.sources import resolve_data_dir
+    from quantmla.models.loading import config_from_dict
+    from quantmla.simulator import CachePolicy
+
+    policy = CachePolicy(cfg.precision.name, cfg.precision.sink, cfg.precision.recent, cfg.precision.group_size)
+    if cfg.method.name not in METHODS:
+        raise ConfigError("method.name", cfg.method.name, METHODS)
+    if cfg.model.dtype not in DTYPES:
+        raise ConfigError("model.dtype", cfg.model.dtype, DTYPES)
+    for name in cfg.eval.datasets:
+        if name not in DATASETS:
+            raise ConfigError("eval.datasets", name, DATASETS)
+    resolve_data_dir(cfg.data.data_dir)
+    path = resolve_model_path(cfg.model.path)
+    local = Path(path)
+    if local.is_absolute() or path.startswith("."):
+        if not (local / "config.json").is_file():
+            raise DataNotFoundError(
+                f"model.path={cfg.model.path!r}: no config.json at {local}; set model.path to a checkpoint folder or hub id"
+            )
+        config = config_from_dict(json.loads((local / "config.json").read_text()))
+        policy.check_dims(config.kv_lora_rank, config.qk_rope_head_dim)

@@ -1,0 +1,100 @@
+"""`python -m quantmla.run`: evaluate one (model, precision, method) and write its result record.
+
+Validates the whole config first (no model is loaded for a bad one), skips the job if its record
+already exists (unless force=true), measures WikiText-2/C4 perplexity of the quantized cache (and
+of the unquantized model when eval.compare_bf16), prints a table and writes
+`results/<experiment>/<config-hash>/result.json`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import hydra
+import torch
+from omegaconf import OmegaConf
+
+from quantmla.config import RunConfig, repo_root, resolve_model_path, validate
+from quantmla.data import load_text, perplexity_windows, tokenize
+from quantmla.errors import QuantMLAError
+from quantmla.evaluation.perplexity import perplexity
+from quantmla.models.loading import load_pretrained
+from quantmla.simulator import patch_model, set_policy
+from quantmla.tracking.store import load_record, make_record, record_path, write_atomic
+
+
+def format_table(record: dict) -> str:
+    """Markdown table: one row per evaluated cache (BF16 reference and the job's precision)."""
+    cfg, metrics = record["config"], record["metrics"]
+    datasets = cfg["eval"]["datasets"]
+    rows = []
+    if any(k.startswith("bf16/") for k in metrics):
+        rows.append(("bf16", "—", {d: metrics.get(f"bf16/ppl/{d}") for d in datasets}))
+    rows.append((cfg["precision"]["name"], cfg["method"]["name"], {d: metrics.get(f"ppl/{d}") for d in datasets}))
+    header = "| precision | method | " + " | ".join(f"ppl/{d}" for d in datasets) + " |"
+    lines = [header, "|" + "---|" * (2 + len(datasets))]
+    for precision, method, values in rows:
+        cells = " | ".join("—" if v is None else f"{v:.3f}" for v in values.values())
+        lines.append(f"| {precision} | {method} | {cells} |")
+    return "\n".join(lines)
+
+
+def evaluate(cfg: RunConfig) -> dict:
+    """Load, patch, measure; returns the metrics dict."""
+    model, tokenizer = load_pretrained(
+        resolve_model_path(cfg.model.path), cfg.model.dtype, cfg.model.trust_remote_code, cfg.model.device
+    )
+    p = cfg.precision
+    patch_model(model, "bf16", sink=p.sink, recent=p.recent, group_size=p.group_size)
+    windows = {
+        name: perplexity_windows(
+            tokenize(load_text(name, cfg.eval.splits[name], cfg.data.data_dir), tokenizer),
+            cfg.model.eval_seqlen,
+            cfg.eval.max_windows,
+        )
+        for name in cfg.eval.datasets
+    }
+    metrics: dict[str, float] = {}
+    runs = ([("bf16/", "bf16")] if cfg.eval.compare_bf16 else []) + [("", p.name)]
+    for prefix, precision in runs:
+        set_policy(model, precision=precision)
+        for name, w in windows.items():
+            metrics[f"{prefix}ppl/{name}"] = perplexity(model, w, cfg.eval.batch_size, desc=f"{precision} {name}")
+    metrics.update({f"windows/{name}": int(w.shape[0]) for name, w in windows.items()})
+    return metrics
+
+
+def run(cfg: RunConfig) -> dict:
+    """One job: validate, skip if done, evaluate, record."""
+    validate(cfg)
+    config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    path = record_path(cfg.results_dir, cfg.experiment_name, config)
+    existing = load_record(path)
+    if existing is not None and not cfg.force:
+        print(f"[quantmla] {path} exists: skipped (force=true recomputes)")
+        print(format_table(existing))
+        return existing
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    started = time.time()
+    metrics = evaluate(cfg)
+    record = make_record(config, metrics, cfg.experiment_name, time.time() - started, repo=repo_root())
+    write_atomic(path, record)
+    print(format_table(record))
+    print(f"[quantmla] wrote {path} ({record['wall_time_s']:.1f} s)")
+    return record
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="config")
+def main(cfg) -> None:
+    try:
+        run(OmegaConf.to_object(cfg))
+    except QuantMLAError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

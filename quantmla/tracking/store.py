@@ -1,0 +1,118 @@
+"""The local results store: one self-describing JSON record per run, keyed by a config hash.
+
+`results/<experiment>/<config-hash>/result.json` holds the resolved config, metrics, git SHA and
+dirty flag, library versions, machine, wall time and creation time. The hash covers every field
+that changes the result and none that does not (output folders, logger, force flag, threads), so
+a re-run of a sweep finds finished jobs and skips them. Records are written atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+# Config keys (dotted paths) that never change a result: where things are written or read from,
+# logging, and re-run control. The experiment name is part of the record's path instead.
+NON_RESULT_KEYS = ("results_dir", "force", "threads", "logger", "hydra", "experiment_name", "data.data_dir")
+TRACKED_PACKAGES = ("torch", "transformers", "quantmla", "lightning", "triton", "lm_eval", "hydra-core")
+
+
+def result_relevant(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The config without NON_RESULT_KEYS, at any depth."""
+    kept = {}
+    for key, value in config.items():
+        path = f"{prefix}{key}"
+        if path in NON_RESULT_KEYS:
+            continue
+        kept[key] = result_relevant(value, f"{path}.") if isinstance(value, dict) else value
+    return kept
+
+
+def config_hash(config: dict[str, Any], length: int = 12) -> str:
+    """Stable hash of the result-relevant part of a resolved config (canonical JSON, sorted keys)."""
+    canonical = json.dumps(result_relevant(config), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:length]
+
+
+def record_path(results_dir: str | os.PathLike, experiment: str, config: dict[str, Any]) -> Path:
+    return Path(results_dir) / experiment / config_hash(config) / "result.json"
+
+
+def git_state(repo: str | os.PathLike | None = None) -> dict[str, Any]:
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        return {"git_sha": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return {"git_sha": None, "git_dirty": None}
+
+
+def versions() -> dict[str, str | None]:
+    found = {}
+    for name in TRACKED_PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    found["python"] = platform.python_version()
+    return found
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def write_atomic(path: Path, payload: dict[str, Any]) -> None:
+    """Write JSON to a temporary file in the same folder, fsync, then rename over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".result-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=2, sort_keys=True, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def make_record(config: dict[str, Any], metrics: dict[str, Any], experiment: str, wall_time_s: float,
+                repo: str | os.PathLike | None = None) -> dict[str, Any]:
+    return {
+        "experiment": experiment,
+        "config_hash": config_hash(config),
+        "config": config,
+        "metrics": metrics,
+        **git_state(repo),
+        "versions": versions(),
+        "machine": machine(),
+        "wall_time_s": wall_time_s,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def load_record(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def load_records(results_dir: str | os.PathLike, experiment: str | None = None) -> list[dict[str, Any]]:
+    """Every record under the store (or one experiment of it)."""
+    root = Path(results_dir) / (experiment or "")
+    return [json.loads(p.read_text()) for p in sorted(root.glob("**/result.json"))]
