@@ -84,7 +84,10 @@ class TinyLM(L.LightningModule):
         decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.ndim < 2]
         opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            [
+                {"params": decay, "weight_decay": self.cfg.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
             lr=self.cfg.lr,
             betas=(0.9, 0.95),
         )
@@ -93,8 +96,12 @@ class TinyLM(L.LightningModule):
         def schedule(step: int) -> float:
             if step < cfg.warmup_steps:
                 return (step + 1) / cfg.warmup_steps
-            progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
-            return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+            progress = min(
+                1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+            )
+            return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (
+                1 + math.cos(math.pi * progress)
+            )
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
@@ -128,7 +135,9 @@ def train(cfg: TrainTinyConfig) -> dict:
     perm = torch.randperm(len(windows), generator=torch.Generator().manual_seed(cfg.seed))
     n_held = max(1, int(len(windows) * cfg.heldout_fraction))
     heldout, train_windows = windows[perm[:n_held]], windows[perm[n_held:]]
-    print(f"tokenizer vocab {len(tokenizer)}; {windows.numel():,} tokens; {len(train_windows)} train / {n_held} held-out windows")
+    print(
+        f"tokenizer vocab {len(tokenizer)}; {windows.numel():,} tokens; {len(train_windows)} train / {n_held} held-out windows"
+    )
 
     config = tiny_mla_config(
         vocab_size=len(tokenizer),
@@ -141,7 +150,10 @@ def train(cfg: TrainTinyConfig) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     module = TinyLM(model, cfg)
     loader = torch.utils.data.DataLoader(
-        train_windows, batch_size=cfg.batch_size, shuffle=True, drop_last=True,
+        train_windows,
+        batch_size=cfg.batch_size,
+        shuffle=True,
+        drop_last=True,
         generator=torch.Generator().manual_seed(cfg.seed),
     )
     val_loader = torch.utils.data.DataLoader(heldout, batch_size=cfg.batch_size)

@@ -33,7 +33,9 @@ class SoftmaxPartial(NamedTuple):
     o: torch.Tensor  # (..., n, d)
 
 
-def softmax_partial(scores: torch.Tensor, allowed: torch.Tensor, values: torch.Tensor) -> SoftmaxPartial:
+def softmax_partial(
+    scores: torch.Tensor, allowed: torch.Tensor, values: torch.Tensor
+) -> SoftmaxPartial:
     """Partial softmax of `scores` (..., n, T) restricted to `allowed`, applied to `values` (..., T, d)."""
     scores = _acc(scores).masked_fill(~allowed, float("-inf"))
     m = scores.amax(dim=-1, keepdim=True)
@@ -61,10 +63,16 @@ def protected_mask(q_slots: torch.Tensor, kv_len: int, sink: int, recent: int) -
     return (j[None, :] < sink) | (q_slots[:, None] - j[None, :] < recent)
 
 
-def choose_form(n_queries: int, kv_len: int, d_c: int, d_r: int, d_nope: int, d_v: int, n_copies: int) -> str:
+def choose_form(
+    n_queries: int, kv_len: int, d_c: int, d_r: int, d_nope: int, d_v: int, n_copies: int
+) -> str:
     """Cheaper of the two forms by multiply-add count (per head; both scale with the head count)."""
-    expanded = n_copies * kv_len * d_c * (d_nope + d_v) + n_copies * n_queries * kv_len * (d_nope + d_r + d_v)
-    absorbed = n_queries * (d_nope * d_c + d_c * d_v) + n_queries * kv_len * (2 * d_c + d_r) * min(n_copies, 2)
+    expanded = n_copies * kv_len * d_c * (d_nope + d_v) + n_copies * n_queries * kv_len * (
+        d_nope + d_r + d_v
+    )
+    absorbed = n_queries * (d_nope * d_c + d_c * d_v) + n_queries * kv_len * (2 * d_c + d_r) * min(
+        n_copies, 2
+    )
     return "absorbed" if absorbed < expanded else "expanded"
 
 
@@ -78,7 +86,9 @@ def expanded_attention(q_nope, q_rot, regions, w_kv_b, d_nope, scaling):
     c = torch.cat([r[0] for r in regions], dim=1)
     k_rot = torch.cat([r[1] for r in regions], dim=1)
     allowed = torch.cat([r[2] for r in regions], dim=-1)
-    allowed = allowed | ~allowed.any(dim=-1, keepdim=True)  # rows with no key (padding): finite, unused
+    allowed = allowed | ~allowed.any(
+        dim=-1, keepdim=True
+    )  # rows with no key (padding): finite, unused
     kv = F.linear(c, w_kv_b).view(b, c.shape[1], h, -1).transpose(1, 2)
     k_nope, v = kv.split([d_nope, kv.shape[-1] - d_nope], dim=-1)
     k = torch.cat([k_nope, k_rot[:, None].expand(b, h, -1, -1)], dim=-1)

@@ -85,7 +85,9 @@ def validate(cfg: RunConfig) -> None:
     from quantmla.models.loading import config_from_dict
     from quantmla.simulator import CachePolicy
 
-    policy = CachePolicy(cfg.precision.name, cfg.precision.sink, cfg.precision.recent, cfg.precision.group_size)
+    policy = CachePolicy(
+        cfg.precision.name, cfg.precision.sink, cfg.precision.recent, cfg.precision.group_size
+    )
     if cfg.method.name not in METHODS:
         raise ConfigError("method.name", cfg.method.name, METHODS)
     if cfg.model.dtype not in DTYPES:

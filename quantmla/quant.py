@@ -32,7 +32,9 @@ def check_bits(bits: int, field: str = "bits") -> int:
 
 def _grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:
     if group_size < 1 or x.shape[-1] % group_size:
-        raise ConfigError("group_size", group_size, f"a positive divisor of the last dimension ({x.shape[-1]})")
+        raise ConfigError(
+            "group_size", group_size, f"a positive divisor of the last dimension ({x.shape[-1]})"
+        )
     return x.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
 
 
@@ -68,7 +70,9 @@ def _codes(x: torch.Tensor, bits: int, group_size: int, meta_dtype: torch.dtype 
     return codes, scale, zero
 
 
-def quantize(x: torch.Tensor, bits: int, group_size: int = 64, meta_dtype: torch.dtype | None = None) -> Quantized:
+def quantize(
+    x: torch.Tensor, bits: int, group_size: int = 64, meta_dtype: torch.dtype | None = None
+) -> Quantized:
     """Codes and metadata of `x` (last axis grouped), computed in at least float32."""
     codes, scale, zero = _codes(x, bits, group_size, meta_dtype, ste=False)
     store = meta_dtype or torch.float32

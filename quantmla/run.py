@@ -31,7 +31,13 @@ def format_table(record: dict) -> str:
     rows = []
     if any(k.startswith("bf16/") for k in metrics):
         rows.append(("bf16", "—", {d: metrics.get(f"bf16/ppl/{d}") for d in datasets}))
-    rows.append((cfg["precision"]["name"], cfg["method"]["name"], {d: metrics.get(f"ppl/{d}") for d in datasets}))
+    rows.append(
+        (
+            cfg["precision"]["name"],
+            cfg["method"]["name"],
+            {d: metrics.get(f"ppl/{d}") for d in datasets},
+        )
+    )
     header = "| precision | method | " + " | ".join(f"ppl/{d}" for d in datasets) + " |"
     lines = [header, "|" + "---|" * (2 + len(datasets))]
     for precision, method, values in rows:
@@ -43,7 +49,10 @@ def format_table(record: dict) -> str:
 def evaluate(cfg: RunConfig) -> dict:
     """Load, patch, measure; returns the metrics dict."""
     model, tokenizer = load_pretrained(
-        resolve_model_path(cfg.model.path), cfg.model.dtype, cfg.model.trust_remote_code, cfg.model.device
+        resolve_model_path(cfg.model.path),
+        cfg.model.dtype,
+        cfg.model.trust_remote_code,
+        cfg.model.device,
     )
     p = cfg.precision
     patch_model(model, "bf16", sink=p.sink, recent=p.recent, group_size=p.group_size)
@@ -60,7 +69,9 @@ def evaluate(cfg: RunConfig) -> dict:
     for prefix, precision in runs:
         set_policy(model, precision=precision)
         for name, w in windows.items():
-            metrics[f"{prefix}ppl/{name}"] = perplexity(model, w, cfg.eval.batch_size, desc=f"{precision} {name}")
+            metrics[f"{prefix}ppl/{name}"] = perplexity(
+                model, w, cfg.eval.batch_size, desc=f"{precision} {name}"
+            )
     metrics.update({f"windows/{name}": int(w.shape[0]) for name, w in windows.items()})
     return metrics
 
@@ -80,7 +91,9 @@ def run(cfg: RunConfig) -> dict:
     torch.manual_seed(cfg.seed)
     started = time.time()
     metrics = evaluate(cfg)
-    record = make_record(config, metrics, cfg.experiment_name, time.time() - started, repo=repo_root())
+    record = make_record(
+        config, metrics, cfg.experiment_name, time.time() - started, repo=repo_root()
+    )
     write_atomic(path, record)
     print(format_table(record))
     print(f"[quantmla] wrote {path} ({record['wall_time_s']:.1f} s)")

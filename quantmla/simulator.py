@@ -73,8 +73,14 @@ class CachePolicy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(name, value, "an integer >= 0")
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
-            raise ConfigError("group_size", self.group_size, "a positive integer dividing d_c and d_r")
+        if (
+            isinstance(self.group_size, bool)
+            or not isinstance(self.group_size, int)
+            or self.group_size < 1
+        ):
+            raise ConfigError(
+                "group_size", self.group_size, "a positive integer dividing d_c and d_r"
+            )
         if self.form not in FORMS:
             raise ConfigError("form", self.form, FORMS)
         for name in ("content_meta_dtype", "rope_meta_dtype"):
@@ -91,7 +97,11 @@ class CachePolicy:
             return
         for name, dim in (("d_c", d_c), ("d_r", d_r)):
             if dim % self.group_size:
-                raise ConfigError("group_size", self.group_size, f"a divisor of {name}={dim} (and of the other path)")
+                raise ConfigError(
+                    "group_size",
+                    self.group_size,
+                    f"a divisor of {name}={dim} (and of the other path)",
+                )
 
 
 def _qdq(x: torch.Tensor, bits: int, policy: CachePolicy, meta: str) -> torch.Tensor:
@@ -122,8 +132,17 @@ def _check_finite(layer_idx: int, **tensors: torch.Tensor) -> None:
             )
 
 
-def mla_forward(module: nn.Module, hidden_states: torch.Tensor, *, adapter: MLAAdapter, position_embeddings=None,
-                attention_mask=None, cache=None, past_key_values=None, **kwargs):
+def mla_forward(
+    module: nn.Module,
+    hidden_states: torch.Tensor,
+    *,
+    adapter: MLAAdapter,
+    position_embeddings=None,
+    attention_mask=None,
+    cache=None,
+    past_key_values=None,
+    **kwargs,
+):
     """Drop-in forward of a patched MLA attention module: same inputs and outputs as the original."""
     policy: CachePolicy = module.quantmla_policy
     cache = cache if cache is not None else past_key_values
@@ -146,12 +165,19 @@ def mla_forward(module: nn.Module, hidden_states: torch.Tensor, *, adapter: MLAA
     w_uk, w_uv = adapter.up_projections(module)
     form = policy.form
     if form == "auto":
-        form = choose_form(n, kv_len, geometry.d_c, geometry.d_r, geometry.d_nope, geometry.d_v, len(regions))
+        form = choose_form(
+            n, kv_len, geometry.d_c, geometry.d_r, geometry.d_nope, geometry.d_v, len(regions)
+        )
     if form == "absorbed":
         out = absorbed_attention(proj.q_nope, proj.q_rot, regions, w_uk, w_uv, geometry.scaling)
     else:
         out = expanded_attention(
-            proj.q_nope, proj.q_rot, regions, module.kv_b_proj.weight, geometry.d_nope, geometry.scaling
+            proj.q_nope,
+            proj.q_rot,
+            regions,
+            module.kv_b_proj.weight,
+            geometry.d_nope,
+            geometry.scaling,
         )
     out = out.transpose(1, 2).reshape(b, n, -1).to(hidden_states.dtype)
     return module.o_proj(out), None
@@ -178,14 +204,24 @@ def _regions(policy: CachePolicy, c, k_rot, allowed, q_slots):
     return regions or [(c_hat, k_hat, allowed)]
 
 
-def patch_model(model: nn.Module, precision: str = "c4r4", sink: int = 4, recent: int = 128,
-                group_size: int = 64, **policy_fields) -> nn.Module:
+def patch_model(
+    model: nn.Module,
+    precision: str = "c4r4",
+    sink: int = 4,
+    recent: int = 128,
+    group_size: int = 64,
+    **policy_fields,
+) -> nn.Module:
     """Patch every MLA attention module of `model` in place (idempotent: re-patching updates the policy)."""
-    policy = CachePolicy(precision=precision, sink=sink, recent=recent, group_size=group_size, **policy_fields)
+    policy = CachePolicy(
+        precision=precision, sink=sink, recent=recent, group_size=group_size, **policy_fields
+    )
     adapter = get_adapter(model.config)
     modules = adapter.attention_modules(model)
     if not modules:
-        raise ConfigError("model", type(model).__name__, f"a model with {adapter.attention_class_name} modules")
+        raise ConfigError(
+            "model", type(model).__name__, f"a model with {adapter.attention_class_name} modules"
+        )
     geometries = [adapter.geometry(m) for m in modules]
     for g in geometries:
         policy.check_dims(g.d_c, g.d_r)
@@ -209,7 +245,9 @@ def set_policy(model: nn.Module, **changes) -> None:
     """Change fields of the policy of every patched module (e.g. precision='bf16')."""
     for module in patched_modules(model):
         module.quantmla_policy = replace(module.quantmla_policy, **changes)
-        module.quantmla_policy.check_dims(module.quantmla_geometry.d_c, module.quantmla_geometry.d_r)
+        module.quantmla_policy.check_dims(
+            module.quantmla_geometry.d_c, module.quantmla_geometry.d_r
+        )
 
 
 def patched_modules(model: nn.Module) -> list[nn.Module]:

@@ -12,7 +12,9 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("QUANTMLA_SHARED", REPO.parent / "shared"))
 DATA_DIR = SHARED / "data"
-MODEL_CONFIGS = sorted(p for p in (SHARED / "model-configs").glob("*.json") if p.name != "sources.json")
+MODEL_CONFIGS = sorted(
+    p for p in (SHARED / "model-configs").glob("*.json") if p.name != "sources.json"
+)
 TINY_MLA = REPO / "assets" / "tiny-mla"
 
 torch.set_num_threads(2)

@@ -1,8 +1,14 @@
 import pytest
 import torch
 
-from quantmla.data import calibration_split, load_documents, load_text, perplexity_windows, sensitivity_cell
-from quantmla.data import sources
+from quantmla.data import (
+    calibration_split,
+    load_documents,
+    load_text,
+    perplexity_windows,
+    sensitivity_cell,
+    sources,
+)
 from quantmla.errors import ConfigError
 
 

@@ -18,36 +18,75 @@ from tests.conftest import MODEL_CONFIGS
 
 def run_config(**overrides) -> RunConfig:
     base = OmegaConf.structured(RunConfig)
-    return OmegaConf.to_object(OmegaConf.merge(base, OmegaConf.from_dotlist([f"{k}={v}" for k, v in overrides.items()])))
+    return OmegaConf.to_object(
+        OmegaConf.merge(base, OmegaConf.from_dotlist([f"{k}={v}" for k, v in overrides.items()]))
+    )
 
 
 def tiny_checkpoint(tmp_path, **changes):
-    raw = json.loads(MODEL_CONFIGS[0].read_text()) if MODEL_CONFIGS else {"model_type": "deepseek_v3"}
+    raw = (
+        json.loads(MODEL_CONFIGS[0].read_text()) if MODEL_CONFIGS else {"model_type": "deepseek_v3"}
+    )
     raw.update(changes)
     (tmp_path / "config.json").write_text(json.dumps(raw))
     return str(tmp_path)
 
 
 CASES = {
-    "unknown model_type": (lambda tmp: get_adapter(type("C", (), {"model_type": "llama"})), "model_type='llama'"),
-    "unknown model_type in config.json": (lambda tmp: config_from_dict({"model_type": "mistral"}), "model_type='mistral'"),
+    "unknown model_type": (
+        lambda tmp: get_adapter(type("C", (), {"model_type": "llama"})),
+        "model_type='llama'",
+    ),
+    "unknown model_type in config.json": (
+        lambda tmp: config_from_dict({"model_type": "mistral"}),
+        "model_type='mistral'",
+    ),
     "precision does not parse": (lambda tmp: parse_precision("int4"), "precision='int4'"),
     "precision bits out of range": (lambda tmp: parse_precision("c9r4"), "precision='c9r4'"),
     "precision bits zero": (lambda tmp: parse_precision("c0r4"), "precision='c0r4'"),
-    "quantizer bits out of range": (lambda tmp: quantize_dequantize(torch.randn(64), 12), "bits=12"),
+    "quantizer bits out of range": (
+        lambda tmp: quantize_dequantize(torch.randn(64), 12),
+        "bits=12",
+    ),
     "negative recent": (lambda tmp: CachePolicy("c4r4", recent=-1), "recent=-1"),
     "unknown form": (lambda tmp: CachePolicy("c4r4", form="fused"), "form='fused'"),
     "group size not dividing d_r (config)": (
-        lambda tmp: validate(run_config(**{"model.path": tiny_checkpoint(tmp), "precision.group_size": 48, "data.data_dir": "null"})),
+        lambda tmp: validate(
+            run_config(
+                **{
+                    "model.path": tiny_checkpoint(tmp),
+                    "precision.group_size": 48,
+                    "data.data_dir": "null",
+                }
+            )
+        ),
         "group_size=48",
     ),
-    "missing checkpoint": (lambda tmp: validate(run_config(**{"model.path": "/nonexistent/ckpt"})), "model.path='/nonexistent/ckpt'"),
-    "missing checkpoint (loader)": (lambda tmp: load_pretrained("/nonexistent/ckpt"), "model.path='/nonexistent/ckpt'"),
-    "missing data dir": (lambda tmp: load_text("wikitext2", "test", "/nonexistent/data"), "data.data_dir='/nonexistent/data'"),
-    "missing data file": (lambda tmp: load_text("wikitext2", "test", str(tmp)), "wikitext2/test: looked for"),
+    "missing checkpoint": (
+        lambda tmp: validate(run_config(**{"model.path": "/nonexistent/ckpt"})),
+        "model.path='/nonexistent/ckpt'",
+    ),
+    "missing checkpoint (loader)": (
+        lambda tmp: load_pretrained("/nonexistent/ckpt"),
+        "model.path='/nonexistent/ckpt'",
+    ),
+    "missing data dir": (
+        lambda tmp: load_text("wikitext2", "test", "/nonexistent/data"),
+        "data.data_dir='/nonexistent/data'",
+    ),
+    "missing data file": (
+        lambda tmp: load_text("wikitext2", "test", str(tmp)),
+        "wikitext2/test: looked for",
+    ),
     "unknown dataset": (lambda tmp: load_text("ptb", "test", str(tmp)), "data.dataset='ptb'"),
-    "missing split": (lambda tmp: load_text("wikitext2", "train", str(tmp)), "split of wikitext2='train'"),
-    "unknown method": (lambda tmp: validate(run_config(**{"method.name": "gptq"})), "method.name='gptq'"),
+    "missing split": (
+        lambda tmp: load_text("wikitext2", "train", str(tmp)),
+        "split of wikitext2='train'",
+    ),
+    "unknown method": (
+        lambda tmp: validate(run_config(**{"method.name": "gptq"})),
+        "method.name='gptq'",
+    ),
 }
 
 
@@ -81,5 +120,7 @@ def test_nonfinite_cache_stops_with_error():
     patch_model(model, "c4r4")
     with torch.no_grad():
         model.model.embed_tokens.weight[7] = float("nan")
-        with pytest.raises(NonFiniteCacheError, match=r"layer 0: cached c has NaN/Inf at token positions \[3\]"):
+        with pytest.raises(
+            NonFiniteCacheError, match=r"layer 0: cached c has NaN/Inf at token positions \[3\]"
+        ):
             model(torch.tensor([[1, 2, 3, 7, 4]]))

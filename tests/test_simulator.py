@@ -75,11 +75,19 @@ def test_no_protection_equals_transformers_on_dequantized_cache(fresh, form):
 @torch.no_grad()
 def test_prefill_equals_generate_steps_with_protection(fresh):
     fresh.double()  # see above: no rounding-code flips between the two orders of summation
-    prompt = tokens(3, length=9)[:1].clamp_min(1)  # token 0 is the pad id: keep it out of the prompt
+    prompt = tokens(3, length=9)[:1].clamp_min(
+        1
+    )  # token 0 is the pad id: keep it out of the prompt
     patch_model(fresh, "c4r4", sink=2, recent=5)
     out = fresh.generate(
-        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, min_new_tokens=10,
-        do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=10,
+        min_new_tokens=10,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
     )
     steps = torch.stack(out.logits, dim=1)
     prefill = fresh(out.sequences).logits[:, prompt.shape[1] - 1 : -1]

@@ -26,7 +26,9 @@ def _slots(ids: torch.Tensor, seqlen: int) -> torch.Tensor:
     return ids[: n * seqlen].view(n, seqlen)
 
 
-def perplexity_windows(ids: torch.Tensor, seqlen: int, max_windows: int | None = None) -> torch.Tensor:
+def perplexity_windows(
+    ids: torch.Tensor, seqlen: int, max_windows: int | None = None
+) -> torch.Tensor:
     """GPTQ-style evaluation: consecutive non-overlapping windows from the start, (N, seqlen)."""
     windows = _slots(ids, seqlen)
     return windows if max_windows is None else windows[:max_windows]
@@ -40,7 +42,9 @@ class CalibrationSplit:
     heldout_slots: torch.Tensor
 
 
-def calibration_split(ids: torch.Tensor, n_calib: int, n_heldout: int, seqlen: int, seed: int) -> CalibrationSplit:
+def calibration_split(
+    ids: torch.Tensor, n_calib: int, n_heldout: int, seqlen: int, seed: int
+) -> CalibrationSplit:
     """`n_calib` calibration and `n_heldout` held-out windows from distinct random slots (disjoint)."""
     windows = _slots(ids, seqlen)
     needed = n_calib + n_heldout
@@ -55,6 +59,8 @@ def calibration_split(ids: torch.Tensor, n_calib: int, n_heldout: int, seqlen: i
     return CalibrationSplit(windows[cal], windows[held], cal, held)
 
 
-def sensitivity_cell(ids: torch.Tensor, seed: int, n_sequences: int = 8, seqlen: int = 512) -> torch.Tensor:
+def sensitivity_cell(
+    ids: torch.Tensor, seed: int, n_sequences: int = 8, seqlen: int = 512
+) -> torch.Tensor:
     """One (dataset, seed) cell of the sensitivity study: `n_sequences` non-overlapping windows."""
     return calibration_split(ids, n_sequences, 0, seqlen, seed).calibration

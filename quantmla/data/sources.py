@@ -32,13 +32,23 @@ class Source:
 
 SOURCES: dict[str, dict[str, Source]] = {
     "wikitext2": {
-        "valid": Source("wikitext-2-raw-v1/wiki.valid.raw", ("Salesforce/wikitext", "wikitext-2-raw-v1"), "validation"),
-        "test": Source("wikitext-2-raw-v1/wiki.test.raw", ("Salesforce/wikitext", "wikitext-2-raw-v1"), "test"),
+        "valid": Source(
+            "wikitext-2-raw-v1/wiki.valid.raw",
+            ("Salesforce/wikitext", "wikitext-2-raw-v1"),
+            "validation",
+        ),
+        "test": Source(
+            "wikitext-2-raw-v1/wiki.test.raw", ("Salesforce/wikitext", "wikitext-2-raw-v1"), "test"
+        ),
     },
     "c4": {
         # Both C4 splits are slices of the same validation documents (see C4_EVAL_DOCS).
-        "train": Source("c4-en-validation-sample/c4_validation_2k.jsonl", ("allenai/c4", "en"), "validation"),
-        "eval": Source("c4-en-validation-sample/c4_validation_2k.jsonl", ("allenai/c4", "en"), "validation"),
+        "train": Source(
+            "c4-en-validation-sample/c4_validation_2k.jsonl", ("allenai/c4", "en"), "validation"
+        ),
+        "eval": Source(
+            "c4-en-validation-sample/c4_validation_2k.jsonl", ("allenai/c4", "en"), "validation"
+        ),
     },
     "gsm8k": {
         "train": Source("gsm8k/train.jsonl", ("openai/gsm8k", "main"), "train"),
@@ -82,7 +92,9 @@ def _gsm8k_text(record: dict) -> str:
     return f"Question: {record['question']}\nAnswer: {record['answer']}"
 
 
-def load_documents(dataset: str, split: str, data_dir: str | os.PathLike | None = None) -> list[str]:
+def load_documents(
+    dataset: str, split: str, data_dir: str | os.PathLike | None = None
+) -> list[str]:
     """The documents (WikiText: HF rows) of a dataset split, local if a data dir is known, else hub."""
     source = _source(dataset, split)
     root = resolve_data_dir(data_dir)
@@ -96,7 +108,9 @@ def load_documents(dataset: str, split: str, data_dir: str | os.PathLike | None 
         if dataset == "wikitext2":
             docs = _wikitext_rows(path.read_text(encoding="utf-8").split("\n")[:-1])
         else:
-            records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+            records = [
+                json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line
+            ]
             docs = [_gsm8k_text(r) if dataset == "gsm8k" else r["text"] for r in records]
     else:
         docs = _load_from_hub(dataset, source)
@@ -110,7 +124,9 @@ def _load_from_hub(dataset: str, source: Source) -> list[str]:
     if dataset == "c4":
         # The first shard of C4 validation, as in GPTQ's C4 evaluation; 2,000 docs like the local sample.
         data = datasets.load_dataset(
-            path, data_files={"validation": "en/c4-validation.00000-of-00008.json.gz"}, split="validation"
+            path,
+            data_files={"validation": "en/c4-validation.00000-of-00008.json.gz"},
+            split="validation",
         )
         return [r["text"] for r in data.select(range(2000))]
     data = datasets.load_dataset(path, name, split=source.hub_split)

@@ -10,7 +10,9 @@ from tqdm.auto import tqdm
 
 
 @torch.no_grad()
-def perplexity(model, windows: torch.Tensor, batch_size: int = 4, desc: str = "perplexity") -> float:
+def perplexity(
+    model, windows: torch.Tensor, batch_size: int = 4, desc: str = "perplexity"
+) -> float:
     """exp(Σ NLL / #predicted tokens); each window of L tokens predicts its last L−1 tokens."""
     device = next(model.parameters()).device
     total, count = 0.0, 0

@@ -82,7 +82,9 @@ class MLAAdapter:
 
     def up_projections(self, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK (H, d_nope, d_c) and W_UV (H, d_v, d_c): head slices of kv_b_proj, as views."""
-        w = module.kv_b_proj.weight.view(module.num_heads, module.qk_nope_head_dim + module.v_head_dim, -1)
+        w = module.kv_b_proj.weight.view(
+            module.num_heads, module.qk_nope_head_dim + module.v_head_dim, -1
+        )
         return w[:, : module.qk_nope_head_dim], w[:, module.qk_nope_head_dim :]
 
     def queries(self, module: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -90,7 +92,9 @@ class MLAAdapter:
             return module.q_proj(hidden)
         return module.q_b_proj(module.q_a_layernorm(module.q_a_proj(hidden)))
 
-    def project(self, module: nn.Module, hidden: torch.Tensor, position_embeddings) -> MLAProjections:
+    def project(
+        self, module: nn.Module, hidden: torch.Tensor, position_embeddings
+    ) -> MLAProjections:
         b, n, _ = hidden.shape
         q = self.queries(module, hidden).view(b, n, -1, module.qk_head_dim).transpose(1, 2)
         q_nope, q_rot = q.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
@@ -153,7 +157,11 @@ class LongcatFlashAdapter(MLAAdapter):
         return ("interleaved", "half")
 
     def scale_lora(self, module, q_nope, q_rot, c):
-        return q_nope * module.mla_scale_q_lora, q_rot * module.mla_scale_q_lora, c * module.mla_scale_kv_lora
+        return (
+            q_nope * module.mla_scale_q_lora,
+            q_rot * module.mla_scale_q_lora,
+            c * module.mla_scale_kv_lora,
+        )
 
     def rope(self, module, q_rot, k_rot, position_embeddings):
         cos, sin = position_embeddings

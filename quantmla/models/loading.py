@@ -28,12 +28,21 @@ def config_from_dict(raw: dict):
     model_type = fields.pop("model_type", None)
     model_type = MODEL_TYPE_ALIASES.get(model_type, CONFIG_ONLY_ALIASES.get(model_type, model_type))
     if model_type not in ADAPTERS:
-        raise ConfigError("model_type", raw.get("model_type"), sorted(ADAPTERS) + sorted(MODEL_TYPE_ALIASES))
+        raise ConfigError(
+            "model_type", raw.get("model_type"), sorted(ADAPTERS) + sorted(MODEL_TYPE_ALIASES)
+        )
     return AutoConfig.for_model(model_type, **fields)
 
 
-def shrink_config(config, num_layers: int = 2, vocab_size: int = 256, max_heads: int = 16,
-                  n_experts: int = 4, ffn_size: int = 64, dtype: torch.dtype = torch.float32):
+def shrink_config(
+    config,
+    num_layers: int = 2,
+    vocab_size: int = 256,
+    max_heads: int = 16,
+    n_experts: int = 4,
+    ffn_size: int = 64,
+    dtype: torch.dtype = torch.float32,
+):
     """Fewer layers, experts, vocab and FFN width; MLA dims and RoPE settings untouched.
 
     Heads are capped at `max_heads` (the 64/128-head models), everything else of attention is kept.
@@ -68,8 +77,9 @@ def shrink_config(config, num_layers: int = 2, vocab_size: int = 256, max_heads:
     return c
 
 
-def random_model_from_config_file(path: str | os.PathLike, seed: int = 0, experts_implementation: str | None = None,
-                                  **shrink):
+def random_model_from_config_file(
+    path: str | os.PathLike, seed: int = 0, experts_implementation: str | None = None, **shrink
+):
     """A random-init, shrunk model from a published config.json (tests and benchmarks).
 
     `experts_implementation="eager"` runs MoE experts in any dtype (grouped_mm has no float64).
@@ -82,7 +92,9 @@ def random_model_from_config_file(path: str | os.PathLike, seed: int = 0, expert
     return AutoModelForCausalLM.from_config(config, dtype=config.dtype, **extra).eval()
 
 
-def load_pretrained(path_or_id: str, dtype: str = "auto", trust_remote_code: bool = False, device: str = "cpu"):
+def load_pretrained(
+    path_or_id: str, dtype: str = "auto", trust_remote_code: bool = False, device: str = "cpu"
+):
     """A checkpoint (local folder or hub id) and its tokenizer; `kimi_k2` loads as DeepSeek-V3."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

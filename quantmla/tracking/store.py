@@ -21,8 +21,24 @@ from typing import Any
 
 # Config keys (dotted paths) that never change a result: where things are written or read from,
 # logging, and re-run control. The experiment name is part of the record's path instead.
-NON_RESULT_KEYS = ("results_dir", "force", "threads", "logger", "hydra", "experiment_name", "data.data_dir")
-TRACKED_PACKAGES = ("torch", "transformers", "quantmla", "lightning", "triton", "lm_eval", "hydra-core")
+NON_RESULT_KEYS = (
+    "results_dir",
+    "force",
+    "threads",
+    "logger",
+    "hydra",
+    "experiment_name",
+    "data.data_dir",
+)
+TRACKED_PACKAGES = (
+    "torch",
+    "transformers",
+    "quantmla",
+    "lightning",
+    "triton",
+    "lm_eval",
+    "hydra-core",
+)
 
 
 def result_relevant(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -38,7 +54,9 @@ def result_relevant(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def config_hash(config: dict[str, Any], length: int = 12) -> str:
     """Stable hash of the result-relevant part of a resolved config (canonical JSON, sorted keys)."""
-    canonical = json.dumps(result_relevant(config), sort_keys=True, separators=(",", ":"), default=str)
+    canonical = json.dumps(
+        result_relevant(config), sort_keys=True, separators=(",", ":"), default=str
+    )
     return hashlib.sha256(canonical.encode()).hexdigest()[:length]
 
 
@@ -48,10 +66,15 @@ def record_path(results_dir: str | os.PathLike, experiment: str, config: dict[st
 
 def git_state(repo: str | os.PathLike | None = None) -> dict[str, Any]:
     def git(*args):
-        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", *args], cwd=repo, capture_output=True, text=True, check=True
+        ).stdout.strip()
 
     try:
-        return {"git_sha": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+        return {
+            "git_sha": git("rev-parse", "HEAD"),
+            "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        }
     except (subprocess.CalledProcessError, FileNotFoundError):
         return {"git_sha": None, "git_dirty": None}
 
@@ -93,8 +116,13 @@ def write_atomic(path: Path, payload: dict[str, Any]) -> None:
         raise
 
 
-def make_record(config: dict[str, Any], metrics: dict[str, Any], experiment: str, wall_time_s: float,
-                repo: str | os.PathLike | None = None) -> dict[str, Any]:
+def make_record(
+    config: dict[str, Any],
+    metrics: dict[str, Any],
+    experiment: str,
+    wall_time_s: float,
+    repo: str | os.PathLike | None = None,
+) -> dict[str, Any]:
     return {
         "experiment": experiment,
         "config_hash": config_hash(config),
@@ -112,7 +140,9 @@ def load_record(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def load_records(results_dir: str | os.PathLike, experiment: str | None = None) -> list[dict[str, Any]]:
+def load_records(
+    results_dir: str | os.PathLike, experiment: str | None = None
+) -> list[dict[str, Any]]:
     """Every record under the store (or one experiment of it)."""
     root = Path(results_dir) / (experiment or "")
     return [json.loads(p.read_text()) for p in sorted(root.glob("**/result.json"))]

@@ -1,0 +1,37 @@
+# make setup run   — fresh machine: create .venv, install everything, run the default experiment
+# make test        — the test suite (what CI runs, after `ruff`)
+PY ?= .venv/bin/python
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export WANDB_MODE ?= offline
+
+.PHONY: setup run test test-full lint format bench train-tiny
+
+setup:
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0   # CPU wheel here; on a GPU cluster install your CUDA torch first
+	$(PY) -m pip install -q -e ".[dev]"
+
+run:
+	$(PY) -m quantmla.run
+
+test:
+	$(PY) -m pytest -q
+
+test-full:
+	$(PY) -m pytest -q -m "slow or not slow"
+
+lint:
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
+
+format:
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+bench:
+	$(PY) benchmarks/simulator_overhead.py
+
+train-tiny:
+	$(PY) -m experiments.train_tiny_mla
