@@ -87,6 +87,10 @@ class MLAAdapter:
         )
         return w[:, : module.qk_nope_head_dim], w[:, module.qk_nope_head_dim :]
 
+    def query_output_projection(self, module: nn.Module) -> nn.Linear:
+        """The Linear whose rows are the per-head queries (q_proj, or q_b_proj with q-LoRA)."""
+        return module.q_proj if getattr(module, "q_lora_rank", None) is None else module.q_b_proj
+
     def queries(self, module: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         if getattr(module, "q_lora_rank", None) is None:
             return module.q_proj(hidden)

@@ -1,0 +1,22 @@
+"""Equivalent cache transforms (content and RoPE paths) and their offline fusion into weights."""
+
+from quantmla.transforms.core import (
+    ContentTransform,
+    RopeTransform,
+    cayley,
+    hadamard,
+    pair_indices,
+    pair_matrix,
+)
+from quantmla.transforms.fusion import fuse_content, fuse_rope
+
+__all__ = [
+    "ContentTransform",
+    "RopeTransform",
+    "cayley",
+    "fuse_content",
+    "fuse_rope",
+    "hadamard",
+    "pair_indices",
+    "pair_matrix",
+]
