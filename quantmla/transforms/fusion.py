@@ -37,7 +37,7 @@ def fuse_content(module: nn.Module, adapter: MLAAdapter, t: ContentTransform) ->
 def fuse_rope(module: nn.Module, adapter: MLAAdapter, t: RopeTransform) -> None:
     """Pre-RoPE key rows ← (R_P S_P)ᵀ W_KR; every head's pre-RoPE query rows ← (R_P S_P⁻¹)ᵀ W_QR,h."""
     layout = adapter.geometry(module).weight_pairs
-    d_c, d_r = module.kv_lora_rank, module.qk_rope_head_dim
+    d_c = module.kv_lora_rank
     key_m, query_m = t.key_matrix(layout).double(), t.query_matrix(layout).double()
     kv_a = module.kv_a_proj_with_mqa
     _write(kv_a.weight[d_c:], key_m.T @ kv_a.weight[d_c:].double())
