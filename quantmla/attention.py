@@ -63,16 +63,10 @@ def protected_mask(q_slots: torch.Tensor, kv_len: int, sink: int, recent: int) -
     return (j[None, :] < sink) | (q_slots[:, None] - j[None, :] < recent)
 
 
-def choose_form(
-    n_queries: int, kv_len: int, d_c: int, d_r: int, d_nope: int, d_v: int, n_copies: int
-) -> str:
-    """Cheaper of the two forms by multiply-add count (per head; both scale with the head count)."""
-    expanded = n_copies * kv_len * d_c * (d_nope + d_v) + n_copies * n_queries * kv_len * (
-        d_nope + d_r + d_v
-    )
-    absorbed = n_queries * (d_nope * d_c + d_c * d_v) + n_queries * kv_len * (2 * d_c + d_r) * min(
-        n_copies, 2
-    )
+def choose_form(n_queries: int, n_keys: int, d_c: int, d_r: int, d_nope: int, d_v: int) -> str:
+    """Cheaper of the two forms by multiply-add count per head; `n_keys` sums over all regions."""
+    expanded = n_keys * d_c * (d_nope + d_v) + n_queries * n_keys * (d_nope + d_r + d_v)
+    absorbed = n_queries * (d_nope * d_c + d_c * d_v) + n_queries * n_keys * (2 * d_c + d_r)
     return "absorbed" if absorbed < expanded else "expanded"
 
 

@@ -146,8 +146,13 @@ def mla_forward(
     """Drop-in forward of a patched MLA attention module: same inputs and outputs as the original."""
     policy: CachePolicy = module.quantmla_policy
     cache = cache if cache is not None else past_key_values
-    geometry = module.quantmla_geometry
     proj = adapter.project(module, hidden_states, position_embeddings)
+    online = getattr(module, "quantmla_rope_online", None)
+    if online is not None:  # QuaRot†'s post-RoPE Hadamard: cannot be fused, so it runs here
+        proj.q_rot, proj.k_rot = (
+            proj.q_rot @ online.to(proj.q_rot.dtype),
+            proj.k_rot @ online.to(proj.k_rot.dtype),
+        )
     if policy.check_finite:
         _check_finite(module.layer_idx, c=proj.c, k_R=proj.k_rot)
 
@@ -157,30 +162,42 @@ def mla_forward(
     if cache is not None:
         c4, k4 = cache.update(c.unsqueeze(1), k_rot.unsqueeze(1), module.layer_idx, kwargs=kwargs)
         c, k_rot = c4[:, 0], k4[:, 0]
-    kv_len = c.shape[1]
     q_slots = past + torch.arange(n, device=c.device)
-    allowed = _allowed_mask(attention_mask, q_slots, kv_len, b)
+    allowed = _allowed_mask(attention_mask, q_slots, c.shape[1], b)
     regions = _regions(policy, c, k_rot, allowed, q_slots)
+    return attention_output(module, adapter, proj.q_nope, proj.q_rot, regions, policy.form), None
 
-    w_uk, w_uv = adapter.up_projections(module)
-    form = policy.form
+
+def attention_output(
+    module: nn.Module, adapter: MLAAdapter, q_nope, q_rot, regions, form: str = "auto"
+):
+    """Post-`o_proj` attention output (B, n, hidden) of query parts over latent-cache regions."""
+    geometry = (
+        module.quantmla_geometry
+        if hasattr(module, "quantmla_geometry")
+        else adapter.geometry(module)
+    )
+    b, _, n, _ = q_nope.shape
     if form == "auto":
+        kv_len = sum(r[0].shape[1] for r in regions)
         form = choose_form(
             n, kv_len, geometry.d_c, geometry.d_r, geometry.d_nope, geometry.d_v, len(regions)
         )
     if form == "absorbed":
-        out = absorbed_attention(proj.q_nope, proj.q_rot, regions, w_uk, w_uv, geometry.scaling)
+        w_uk, w_uv = adapter.up_projections(module)
+        out = absorbed_attention(q_nope, q_rot, regions, w_uk, w_uv, geometry.scaling)
     else:
         out = expanded_attention(
-            proj.q_nope,
-            proj.q_rot,
-            regions,
-            module.kv_b_proj.weight,
-            geometry.d_nope,
-            geometry.scaling,
+            q_nope, q_rot, regions, module.kv_b_proj.weight, geometry.d_nope, geometry.scaling
         )
-    out = out.transpose(1, 2).reshape(b, n, -1).to(hidden_states.dtype)
-    return module.o_proj(out), None
+    return module.o_proj(out.transpose(1, 2).reshape(b, n, -1).to(module.o_proj.weight.dtype))
+
+
+def causal_regions(c: torch.Tensor, k_rot: torch.Tensor) -> list:
+    """One region over a whole sequence (no cache, no protection): calibration and analysis."""
+    n = c.shape[1]
+    allowed = torch.ones(n, n, dtype=torch.bool, device=c.device).tril()[None, None]
+    return [(c, k_rot, allowed.expand(c.shape[0], 1, n, n))]
 
 
 def _regions(policy: CachePolicy, c, k_rot, allowed, q_slots):
