@@ -30,8 +30,31 @@ class PrecisionConfig:
 
 
 @dataclass
+class CalibrationConfig:
+    """Calibration data and optimisation (SmoothQuant†, QuantMLA). Paper: 128 + 32 WikiText-2 sequences."""
+
+    dataset: str = "wikitext2"
+    split: str = (
+        "valid"  # WikiText-2 train is not available here: calibrate on valid, evaluate on test
+    )
+    n_calibration: int = 128
+    n_heldout: int = 32
+    seqlen: int | None = None  # None: model.eval_seqlen
+    capture_batch_size: int = 4
+    store_dir: str | None = None  # memory-map captured activations here (large models)
+    alphas: list[float] = field(default_factory=lambda: [0.125, 0.25, 0.5, 0.75, 1.0])
+    steps: int = 300
+    batch_size: int = 4
+    lr_rotation: float = 1e-3
+    lr_scale: float = 1e-2
+    select_every: int = 25
+
+
+@dataclass
 class MethodConfig:
-    name: str = "rtn"
+    name: str = "rtn"  # rtn | smoothquant | quarot | quantmla
+    calibration: CalibrationConfig | None = None
+    artifact: str | None = None  # load this transform artifact instead of calibrating
 
 
 @dataclass
@@ -46,6 +69,9 @@ class EvalConfig:
     max_windows: int | None = None  # cap on windows per dataset (None: all)
     batch_size: int = 4
     compare_bf16: bool = True  # also measure the unquantized model in the same job
+    nmse_windows: int = (
+        8  # windows of the first dataset for per-layer attention-output NMSE (0: off)
+    )
 
 
 @dataclass
@@ -64,7 +90,7 @@ class RunConfig:
 
 ConfigStore.instance().store(name="run_schema", node=RunConfig)
 
-METHODS = ("rtn",)
+METHODS = ("rtn", "smoothquant", "quarot", "quantmla")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 DATASETS = ("wikitext2", "c4")
 
@@ -90,6 +116,14 @@ def validate(cfg: RunConfig) -> None:
     )
     if cfg.method.name not in METHODS:
         raise ConfigError("method.name", cfg.method.name, METHODS)
+    if (
+        cfg.method.name in ("smoothquant", "quantmla")
+        and cfg.method.calibration is None
+        and not cfg.method.artifact
+    ):
+        raise ConfigError(
+            "method.calibration", None, "a calibration block (see conf/method/quantmla.yaml)"
+        )
     if cfg.model.dtype not in DTYPES:
         raise ConfigError("model.dtype", cfg.model.dtype, DTYPES)
     for name in cfg.eval.datasets:

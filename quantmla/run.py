@@ -18,42 +18,49 @@ from omegaconf import OmegaConf
 from quantmla.config import RunConfig, repo_root, resolve_model_path, validate
 from quantmla.data import load_text, perplexity_windows, tokenize
 from quantmla.errors import QuantMLAError
+from quantmla.evaluation.nmse import OutputNMSE
 from quantmla.evaluation.perplexity import perplexity
+from quantmla.methods import apply_method, prepare_method
+from quantmla.methods.equivalence import EquivalenceProbe
+from quantmla.models.adapters import get_adapter
 from quantmla.models.loading import load_pretrained
 from quantmla.simulator import patch_model, set_policy
 from quantmla.tracking.store import load_record, make_record, record_path, write_atomic
 
 
 def format_table(record: dict) -> str:
-    """Markdown table: one row per evaluated cache (BF16 reference and the job's precision)."""
+    """Markdown table: the BF16 reference (if measured) and the job's precision × method."""
     cfg, metrics = record["config"], record["metrics"]
     datasets = cfg["eval"]["datasets"]
     rows = []
     if any(k.startswith("bf16/") for k in metrics):
-        rows.append(("bf16", "—", {d: metrics.get(f"bf16/ppl/{d}") for d in datasets}))
+        rows.append(("bf16", "—", [metrics.get(f"bf16/ppl/{d}") for d in datasets], None))
+    quantized = [metrics.get(f"ppl/{d}") for d in datasets]
     rows.append(
-        (
-            cfg["precision"]["name"],
-            cfg["method"]["name"],
-            {d: metrics.get(f"ppl/{d}") for d in datasets},
-        )
+        (cfg["precision"]["name"], cfg["method"]["name"], quantized, metrics.get("nmse/attn_mean"))
     )
-    header = "| precision | method | " + " | ".join(f"ppl/{d}" for d in datasets) + " |"
-    lines = [header, "|" + "---|" * (2 + len(datasets))]
-    for precision, method, values in rows:
-        cells = " | ".join("—" if v is None else f"{v:.3f}" for v in values.values())
-        lines.append(f"| {precision} | {method} | {cells} |")
+    lines = [
+        "| precision | method | " + " | ".join(f"ppl/{d}" for d in datasets) + " | attn NMSE |",
+        "|" + "---|" * (3 + len(datasets)),
+    ]
+    for precision, method, ppls, nmse in rows:
+        cells = ["—" if v is None else f"{v:.3f}" for v in ppls] + [
+            "—" if nmse is None else f"{nmse:.3e}"
+        ]
+        lines.append(f"| {precision} | {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def evaluate(cfg: RunConfig) -> dict:
-    """Load, patch, measure; returns the metrics dict."""
+    """Load, prepare the method, fuse (checked), quantize, measure; returns the metrics dict."""
     model, tokenizer = load_pretrained(
         resolve_model_path(cfg.model.path),
         cfg.model.dtype,
         cfg.model.trust_remote_code,
         cfg.model.device,
     )
+    adapter = get_adapter(model.config)
+    modules = adapter.attention_modules(model)
     p = cfg.precision
     patch_model(model, "bf16", sink=p.sink, recent=p.recent, group_size=p.group_size)
     windows = {
@@ -64,15 +71,38 @@ def evaluate(cfg: RunConfig) -> dict:
         )
         for name in cfg.eval.datasets
     }
-    metrics: dict[str, float] = {}
-    runs = ([("bf16/", "bf16")] if cfg.eval.compare_bf16 else []) + [("", p.name)]
-    for prefix, precision in runs:
-        set_policy(model, precision=precision)
+    metrics: dict = {f"windows/{name}": int(w.shape[0]) for name, w in windows.items()}
+
+    def measure_perplexity(prefix: str, label: str) -> None:
         for name, w in windows.items():
             metrics[f"{prefix}ppl/{name}"] = perplexity(
-                model, w, cfg.eval.batch_size, desc=f"{precision} {name}"
+                model, w, cfg.eval.batch_size, desc=f"{label} {name}"
             )
-    metrics.update({f"windows/{name}": int(w.shape[0]) for name, w in windows.items()})
+
+    if cfg.eval.compare_bf16:
+        measure_perplexity("bf16/", "bf16")
+    first = windows[cfg.eval.datasets[0]]
+    reference = (
+        OutputNMSE.capture(model, modules, first[: cfg.eval.nmse_windows])
+        if cfg.eval.nmse_windows
+        else None
+    )
+
+    started = time.time()
+    result = prepare_method(cfg, model, adapter, tokenizer)
+    metrics["method/seconds"] = time.time() - started
+    if result is not None:
+        probe = EquivalenceProbe(first[:2]).capture(model, modules)
+        apply_method(model, adapter, result)
+        metrics.update({f"equivalence/{k}": v for k, v in probe.check(model, modules).items()})
+        if result.report:
+            metrics["method/report"] = result.report
+    set_policy(model, precision=p.name)
+    measure_perplexity("", f"{p.name} {cfg.method.name}")
+    if reference is not None:
+        per_layer = reference.measure(modules)
+        metrics["nmse/attn_layers"] = per_layer
+        metrics["nmse/attn_mean"] = sum(per_layer) / len(per_layer)
     return metrics
 
 

@@ -179,10 +179,8 @@ def attention_output(
     )
     b, _, n, _ = q_nope.shape
     if form == "auto":
-        kv_len = sum(r[0].shape[1] for r in regions)
-        form = choose_form(
-            n, kv_len, geometry.d_c, geometry.d_r, geometry.d_nope, geometry.d_v, len(regions)
-        )
+        n_keys = sum(r[0].shape[1] for r in regions)
+        form = choose_form(n, n_keys, geometry.d_c, geometry.d_r, geometry.d_nope, geometry.d_v)
     if form == "absorbed":
         w_uk, w_uv = adapter.up_projections(module)
         out = absorbed_attention(q_nope, q_rot, regions, w_uk, w_uv, geometry.scaling)

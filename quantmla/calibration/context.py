@@ -1,0 +1,76 @@
+"""Per-layer access to captured teacher activations: projections, teacher outputs, statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quantmla.calibration.capture import ActivationStore
+from quantmla.calibration.objectives import layer_output
+from quantmla.models.adapters import MLAAdapter, MLAProjections
+from quantmla.transforms.core import pair_indices
+
+
+@dataclass
+class CalibrationContext:
+    """The frozen model, its MLA modules and the captured inputs of calibration + held-out sequences."""
+
+    model: nn.Module
+    adapter: MLAAdapter
+    modules: list[nn.Module]
+    store: ActivationStore
+    calibration: torch.Tensor  # sequence indices into the store
+    heldout: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def gamma(self, layer: int) -> torch.Tensor:
+        gamma = self.modules[layer].kv_a_layernorm.weight.detach()
+        if (gamma == 0).any():
+            raise ValueError(
+                f"layer {layer}: kv_a_layernorm has zero weights; the content transform needs Γ invertible"
+            )
+        return gamma
+
+    def position_embeddings(self, layer: int, length: int):
+        pe = self.store.position_embeddings[layer]
+        if isinstance(pe, torch.Tensor):
+            return pe[:, :length].to(self.device)
+        return tuple(p[:, :length].to(self.device) for p in pe)
+
+    @torch.no_grad()
+    def project(self, layer: int, index: torch.Tensor) -> tuple[MLAProjections, torch.Tensor]:
+        """The layer's projections and BF16-teacher attention output for sequences `index`."""
+        module = self.modules[layer]
+        h = self.store.inputs[layer][index].to(self.device)
+        proj = self.adapter.project(module, h, self.position_embeddings(layer, h.shape[1]))
+        return proj, layer_output(module, self.adapter, proj)
+
+    def batches(self, index: torch.Tensor, batch_size: int):
+        return index.split(batch_size)
+
+    @torch.no_grad()
+    def channel_statistics(self, layer: int, quantile: float = 0.999, batch_size: int = 8):
+        """99.9th-percentile |u_j| per content channel and per-pair norm of k_R, over calibration tokens."""
+        u_abs, pair_norms = [], []
+        a, b = pair_indices(
+            self.modules[layer].qk_rope_head_dim,
+            self.adapter.geometry(self.modules[layer]).cache_pairs,
+        )
+        gamma = self.gamma(layer)
+        for index in self.batches(self.calibration, batch_size):
+            proj, _ = self.project(layer, index)
+            u_abs.append((proj.c / gamma).abs().flatten(0, 1).float().cpu())
+            k = proj.k_rot.flatten(0, 1).float().cpu()
+            pair_norms.append(torch.sqrt(k[:, a] ** 2 + k[:, b] ** 2))
+        return _quantile(torch.cat(u_abs), quantile), _quantile(torch.cat(pair_norms), quantile)
+
+
+def _quantile(x: torch.Tensor, q: float) -> torch.Tensor:
+    """Per-column quantile (nearest rank) of a large (tokens, channels) matrix; torch.quantile caps input size."""
+    k = max(1, min(x.shape[0], round(q * x.shape[0])))
+    return x.kthvalue(k, dim=0).values

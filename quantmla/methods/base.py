@@ -1,0 +1,114 @@
+"""What every method produces (per-layer transforms + an optional online RoPE matrix), how it is
+applied to a model (offline fusion, then the equivalence check), and how it is saved as an artifact."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from quantmla.errors import QuantMLAError
+from quantmla.models.adapters import MLAAdapter
+from quantmla.transforms import ContentTransform, RopeTransform, fuse_content, fuse_rope, hadamard
+
+
+class ArtifactMismatchError(QuantMLAError):
+    """A saved transform artifact was made for another model, precision, quantizer or method."""
+
+
+@dataclass
+class LayerTransforms:
+    content: ContentTransform | None = None
+    rope: RopeTransform | None = None
+
+
+@dataclass
+class MethodResult:
+    """A method's output for one model and precision: fused offline, plus QuaRot†'s online Hadamard."""
+
+    method: str
+    layers: list[LayerTransforms]
+    rope_online: str | None = (
+        None  # "hadamard": post-RoPE H_P on query and key, run by the simulator
+    )
+    metadata: dict[str, str] = field(default_factory=dict)
+    report: dict = field(default_factory=dict)  # calibration losses, chosen alphas, timings
+
+
+@torch.no_grad()
+def apply_method(model: nn.Module, adapter: MLAAdapter, result: MethodResult) -> None:
+    """Fuse every layer's transforms into its weights; install the online RoPE matrix if any."""
+    modules = adapter.attention_modules(model)
+    if len(modules) != len(result.layers):
+        raise ArtifactMismatchError(
+            f"artifact has {len(result.layers)} layers, the model {len(modules)}"
+        )
+    for module, layer in zip(modules, result.layers):
+        if layer.content is not None:
+            fuse_content(module, adapter, layer.content)
+        if layer.rope is not None:
+            fuse_rope(module, adapter, layer.rope)
+        if result.rope_online == "hadamard":
+            h = hadamard(module.qk_rope_head_dim).to(module.o_proj.weight.device)
+            module.register_buffer(
+                "quantmla_rope_online", h.to(module.o_proj.weight.dtype), persistent=False
+            )
+
+
+def save_artifact(result: MethodResult, path: str | Path) -> None:
+    tensors = {}
+    for i, layer in enumerate(result.layers):
+        if layer.content is not None:
+            tensors[f"layers.{i}.content.rotation"] = layer.content.rotation.contiguous()
+            tensors[f"layers.{i}.content.scale"] = layer.content.scale.contiguous()
+        if layer.rope is not None:
+            tensors[f"layers.{i}.rope.angles"] = layer.rope.angles.contiguous()
+            tensors[f"layers.{i}.rope.scales"] = layer.rope.scales.contiguous()
+    metadata = {
+        **result.metadata,
+        "method": result.method,
+        "n_layers": str(len(result.layers)),
+        "rope_online": result.rope_online or "",
+        "report": json.dumps(result.report, default=str),
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu() for k, v in tensors.items()}, str(path), metadata=metadata)
+
+
+def load_artifact(path: str | Path, expected: dict[str, str]) -> MethodResult:
+    """Load an artifact, stopping if any `expected` metadata field differs."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata() or {}
+    for key, value in expected.items():
+        if metadata.get(key) != str(value):
+            raise ArtifactMismatchError(
+                f"artifact {path}: metadata {key}={metadata.get(key)!r} but this run needs {value!r}; "
+                "recalibrate (force=true) or point method.artifact elsewhere"
+            )
+    tensors = load_file(str(path))
+    layers = []
+    for i in range(int(metadata["n_layers"])):
+        content = rope = None
+        if f"layers.{i}.content.rotation" in tensors:
+            content = ContentTransform(
+                tensors[f"layers.{i}.content.rotation"], tensors[f"layers.{i}.content.scale"]
+            )
+        if f"layers.{i}.rope.angles" in tensors:
+            rope = RopeTransform(
+                tensors[f"layers.{i}.rope.angles"], tensors[f"layers.{i}.rope.scales"]
+            )
+        layers.append(LayerTransforms(content, rope))
+    core = {"method", "n_layers", "rope_online", "report"}
+    return MethodResult(
+        metadata["method"],
+        layers,
+        metadata["rope_online"] or None,
+        {k: v for k, v in metadata.items() if k not in core},
+        json.loads(metadata.get("report", "{}")),
+    )

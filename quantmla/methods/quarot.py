@@ -1,0 +1,22 @@
+"""QuaRot† (SPEC §4): a fixed normalised Hadamard H_C on the content latent in weightless-normalised
+coordinates (fused offline: z_C = u H_C, unit scales, Γ moved to the consumers) and a fixed
+post-RoPE Hadamard H_P on the positional query and key, run online by the simulator."""
+
+from __future__ import annotations
+
+import torch
+
+from quantmla.methods.base import LayerTransforms, MethodResult
+from quantmla.transforms import ContentTransform, hadamard
+
+
+def quarot(modules) -> MethodResult:
+    layers = [
+        LayerTransforms(
+            ContentTransform(
+                hadamard(m.kv_lora_rank), torch.ones(m.kv_lora_rank, dtype=torch.float64)
+            )
+        )
+        for m in modules
+    ]
+    return MethodResult("quarot", layers, rope_online="hadamard")
