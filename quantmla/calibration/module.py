@@ -29,9 +29,8 @@ from quantmla.calibration.objectives import (
     positional_qk_loss,
     rope_qdq,
 )
-from quantmla.methods.base import LayerTransforms
 from quantmla.simulator import CachePrecision
-from quantmla.transforms import ContentTransform, RopeTransform, cayley
+from quantmla.transforms import ContentTransform, LayerTransforms, RopeTransform, cayley
 
 LOG_SCALE_CLIP = 2.0
 

@@ -13,17 +13,18 @@ from torch import nn
 
 from quantmla.errors import QuantMLAError
 from quantmla.models.adapters import MLAAdapter
-from quantmla.transforms import ContentTransform, RopeTransform, fuse_content, fuse_rope, hadamard
+from quantmla.transforms import (
+    ContentTransform,
+    LayerTransforms,
+    RopeTransform,
+    fuse_content,
+    fuse_rope,
+    hadamard,
+)
 
 
 class ArtifactMismatchError(QuantMLAError):
     """A saved transform artifact was made for another model, precision, quantizer or method."""
-
-
-@dataclass
-class LayerTransforms:
-    content: ContentTransform | None = None
-    rope: RopeTransform | None = None
 
 
 @dataclass

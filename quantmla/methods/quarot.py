@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from quantmla.methods.base import LayerTransforms, MethodResult
-from quantmla.transforms import ContentTransform, hadamard
+from quantmla.methods.base import MethodResult
+from quantmla.transforms import ContentTransform, LayerTransforms, hadamard
 
 
 def quarot(modules) -> MethodResult:

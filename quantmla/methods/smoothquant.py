@@ -12,9 +12,9 @@ import torch
 
 from quantmla.calibration.context import CalibrationContext
 from quantmla.calibration.objectives import content_qdq, layer_output, rope_qdq
-from quantmla.methods.base import LayerTransforms, MethodResult
+from quantmla.methods.base import MethodResult
 from quantmla.simulator import CachePrecision
-from quantmla.transforms import ContentTransform, RopeTransform
+from quantmla.transforms import ContentTransform, LayerTransforms, RopeTransform
 
 SMOOTHQUANT_ALPHAS = (0.125, 0.25, 0.5, 0.75, 1.0)
 

@@ -2,6 +2,7 @@
 
 from quantmla.transforms.core import (
     ContentTransform,
+    LayerTransforms,
     RopeTransform,
     cayley,
     hadamard,
@@ -12,6 +13,7 @@ from quantmla.transforms.fusion import fuse_content, fuse_rope
 
 __all__ = [
     "ContentTransform",
+    "LayerTransforms",
     "RopeTransform",
     "cayley",
     "fuse_content",

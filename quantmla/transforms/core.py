@@ -91,3 +91,11 @@ class RopeTransform:
     def query_matrix(self, layout: str) -> torch.Tensor:
         """R_P S_P⁻¹: the compensated query."""
         return pair_matrix(self.angles, 1.0 / self.scales, layout)
+
+
+@dataclass
+class LayerTransforms:
+    """One MLA layer's transforms; None leaves that path in native coordinates."""
+
+    content: ContentTransform | None = None
+    rope: RopeTransform | None = None

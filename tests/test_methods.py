@@ -1,0 +1,136 @@
+"""Methods on a tiny random MLA model: SmoothQuant† α = 0, QuantMLA steps, artifacts, QuaRot†, equivalence."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from quantmla import patch_model, set_policy
+from quantmla.calibration.capture import capture_inputs
+from quantmla.calibration.context import CalibrationContext
+from quantmla.calibration.module import QuantMLACalibration
+from quantmla.methods import apply_method
+from quantmla.methods.base import ArtifactMismatchError, MethodResult, load_artifact, save_artifact
+from quantmla.methods.equivalence import EquivalenceProbe, FusionEquivalenceError
+from quantmla.methods.quarot import quarot
+from quantmla.methods.smoothquant import heldout_output_nmse, scales_from_statistics
+from quantmla.models.adapters import get_adapter
+from quantmla.models.tiny import tiny_mla_config
+from quantmla.simulator import parse_precision
+from quantmla.transforms import ContentTransform, LayerTransforms, RopeTransform
+
+C4R4 = parse_precision("c4r4")
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    torch.manual_seed(0)
+    config = tiny_mla_config(
+        vocab_size=128, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=64
+    )
+    model = AutoModelForCausalLM.from_config(config).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    adapter = get_adapter(model.config)
+    modules = adapter.attention_modules(model)
+    sequences = torch.randint(0, 128, (6, 48), generator=torch.Generator().manual_seed(1))
+    store = capture_inputs(model, modules, sequences, batch_size=3)
+    return CalibrationContext(model, adapter, modules, store, torch.arange(4), torch.arange(4, 6))
+
+
+def test_alpha_zero_is_the_identity(ctx):
+    stat_c, stat_p = ctx.channel_statistics(0)
+    assert torch.equal(
+        scales_from_statistics(stat_c, 0.0), torch.ones_like(stat_c, dtype=torch.float64)
+    )
+    identity = ContentTransform(
+        torch.eye(ctx.modules[0].kv_lora_rank, dtype=torch.float64),
+        scales_from_statistics(stat_c, 0.0),
+    )
+    with_identity = heldout_output_nmse(ctx, 0, C4R4, content=identity)
+    native = heldout_output_nmse(
+        ctx, 0, C4R4, content=ContentTransform.identity(ctx.modules[0].kv_lora_rank)
+    )
+    assert with_identity == pytest.approx(native, rel=1e-6)
+    scales = scales_from_statistics(stat_c, 0.5)
+    assert torch.log(scales).mean().abs() < 1e-9  # unit geometric mean
+    assert torch.all(
+        (scales[1:] - scales[:-1]) * (stat_c[1:] - stat_c[:-1]).double() <= 1e-12
+    )  # larger channel, smaller scale
+
+
+def test_quantmla_steps_lower_both_objectives(ctx):
+    module = QuantMLACalibration(
+        ctx, [LayerTransforms() for _ in ctx.modules], C4R4, lr_rotation=5e-3, lr_scale=5e-2
+    )
+    module.log = lambda *a, **k: None
+    optimizer = module.configure_optimizers()
+    batch = torch.arange(4)
+    before = [module.losses(i, batch, ste=False) for i in range(len(ctx.modules))]
+    for _ in range(15):
+        optimizer.zero_grad()
+        module.training_step(batch, 0).backward()
+        optimizer.step()
+    after = [module.losses(i, batch, ste=False) for i in range(len(ctx.modules))]
+    for (c0, r0), (c1, r1) in zip(before, after):
+        assert c1 < c0 and r1 < r0
+
+
+def test_artifact_round_trip_and_mismatch(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    layers = [
+        LayerTransforms(
+            ContentTransform(
+                torch.randn(8, 8, generator=g, dtype=torch.float64),
+                torch.rand(8, dtype=torch.float64),
+            ),
+            RopeTransform(torch.randn(4, dtype=torch.float64), torch.rand(4, dtype=torch.float64)),
+        ),
+        LayerTransforms(
+            None,
+            RopeTransform(torch.randn(4, dtype=torch.float64), torch.rand(4, dtype=torch.float64)),
+        ),
+    ]
+    meta = {
+        "model": "m",
+        "precision": "c4r4",
+        "quantizer": "q",
+        "method": "quantmla",
+        "seed": "0",
+        "calibration_data": "abc",
+    }
+    path = tmp_path / "a.safetensors"
+    save_artifact(MethodResult("quantmla", layers, None, meta, {"loss": [1.0]}), path)
+    back = load_artifact(path, meta)
+    assert (
+        back.method == "quantmla"
+        and back.report == {"loss": [1.0]}
+        and back.layers[1].content is None
+    )
+    assert torch.equal(back.layers[0].content.rotation, layers[0].content.rotation)
+    assert torch.equal(back.layers[1].rope.scales, layers[1].rope.scales)
+    with pytest.raises(ArtifactMismatchError, match="precision='c4r4' but this run needs 'c2r4'"):
+        load_artifact(path, {**meta, "precision": "c2r4"})
+
+
+def test_quarot_and_equivalence_check(ctx):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(ctx.model.config).eval()
+    adapter = get_adapter(model.config)
+    modules = adapter.attention_modules(model)
+    patch_model(model, "bf16")
+    x = torch.randint(0, 128, (2, 40))
+    probe = EquivalenceProbe(x).capture(model, modules)
+    apply_method(model, adapter, quarot(modules))
+    report = probe.check(model, modules)
+    assert report["max_layer_rel_error"] < 1e-5
+    assert torch.allclose(
+        modules[0].quantmla_rope_online @ modules[0].quantmla_rope_online.T,
+        torch.eye(64),
+        atol=1e-6,
+    )
+    # a wrong fusion is caught: break the RoPE rows of one layer
+    with torch.no_grad():
+        modules[1].kv_a_proj_with_mqa.weight[-64:] *= 1.5
+    set_policy(model, precision="bf16")
+    with pytest.raises(FusionEquivalenceError, match="layer 1"):
+        probe.check(model, modules)
