@@ -20,6 +20,7 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.config_store import ConfigStore
+from lightning.pytorch.loggers import CSVLogger
 from omegaconf import OmegaConf
 
 from quantmla.data import load_documents
@@ -163,7 +164,7 @@ def train(cfg: TrainTinyConfig) -> dict:
         max_time={"minutes": cfg.max_minutes},
         val_check_interval=min(cfg.val_every, len(loader)),
         check_val_every_n_epoch=None,
-        logger=False,
+        logger=CSVLogger("outputs/train_tiny_mla", name="csv"),  # the loss curve, outside the asset
         enable_checkpointing=False,
         gradient_clip_val=1.0,
         log_every_n_steps=10,

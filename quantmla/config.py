@@ -64,7 +64,7 @@ class DataConfig:
 
 @dataclass
 class EvalConfig:
-    datasets: list[str] = field(default_factory=lambda: ["wikitext2"])
+    datasets: list[str] = field(default_factory=lambda: ["wikitext2", "c4"])
     splits: dict[str, str] = field(default_factory=lambda: {"wikitext2": "test", "c4": "eval"})
     max_windows: int | None = None  # cap on windows per dataset (None: all)
     batch_size: int = 4
