@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 
-from quantmla.errors import ConfigError, DataNotFoundError
+from quantmla.errors import ConfigError, DataNotFoundError, NotImplementedYet
 
 
 @dataclass
@@ -64,6 +64,9 @@ class DataConfig:
 
 @dataclass
 class EvalConfig:
+    kind: str = "perplexity"  # see EVAL_KINDS; the paper's other artifacts name theirs
+    tasks: list[str] = field(default_factory=list)  # benchmark tasks (lm_eval / ruler kinds)
+    context_lengths: list[int] = field(default_factory=list)  # ruler, memory, latency kinds
     datasets: list[str] = field(default_factory=lambda: ["wikitext2", "c4"])
     splits: dict[str, str] = field(default_factory=lambda: {"wikitext2": "test", "c4": "eval"})
     max_windows: int | None = None  # cap on windows per dataset (None: all)
@@ -75,12 +78,21 @@ class EvalConfig:
 
 
 @dataclass
+class LoggerConfig:
+    name: str = "wandb"  # wandb | none
+    project: str = "quantmla"
+    entity: str | None = None
+    mode: str = "offline"  # offline | online | disabled
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     method: MethodConfig = field(default_factory=MethodConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     experiment_name: str = "default"
     seed: int = 0
     results_dir: str = "results"
@@ -91,6 +103,18 @@ class RunConfig:
 ConfigStore.instance().store(name="run_schema", node=RunConfig)
 
 METHODS = ("rtn", "smoothquant", "quarot", "quantmla")
+# Evaluation kinds; those not in IMPLEMENTED_KINDS stop before loading anything.
+EVAL_KINDS = (
+    "perplexity",
+    "memory",
+    "lm_eval",
+    "ruler",
+    "sensitivity",
+    "probes",
+    "latency",
+    "throughput",
+)
+IMPLEMENTED_KINDS = ("perplexity", "memory")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 DATASETS = ("wikitext2", "c4")
 
@@ -126,9 +150,20 @@ def validate(cfg: RunConfig) -> None:
         )
     if cfg.model.dtype not in DTYPES:
         raise ConfigError("model.dtype", cfg.model.dtype, DTYPES)
+    if cfg.eval.kind not in EVAL_KINDS:
+        raise ConfigError("eval.kind", cfg.eval.kind, EVAL_KINDS)
+    if cfg.eval.kind not in IMPLEMENTED_KINDS:
+        raise NotImplementedYet(
+            f"eval.kind={cfg.eval.kind!r} is not implemented yet (config and table layout exist); "
+            f"implemented: {', '.join(IMPLEMENTED_KINDS)}"
+        )
+    if cfg.logger.name not in ("wandb", "none"):
+        raise ConfigError("logger.name", cfg.logger.name, ("wandb", "none"))
     for name in cfg.eval.datasets:
         if name not in DATASETS:
             raise ConfigError("eval.datasets", name, DATASETS)
+    if cfg.eval.kind == "memory":
+        return  # analytic: no model, no data
     resolve_data_dir(cfg.data.data_dir)
     path = resolve_model_path(cfg.model.path)
     local = Path(path)

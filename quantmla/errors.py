@@ -24,3 +24,7 @@ class DataNotFoundError(QuantMLAError, FileNotFoundError):
 
 class NonFiniteCacheError(QuantMLAError, FloatingPointError):
     """A cached MLA vector holds NaN/Inf; stopped before it can reach other tokens' attention."""
+
+
+class NotImplementedYet(QuantMLAError, NotImplementedError):
+    """The config exists (so sweeps compose) but its computation arrives in later work."""

@@ -24,13 +24,16 @@ from quantmla.methods import apply_method, prepare_method
 from quantmla.methods.equivalence import EquivalenceProbe
 from quantmla.models.adapters import get_adapter
 from quantmla.models.loading import load_pretrained
-from quantmla.simulator import patch_model, set_policy
+from quantmla.simulator import parse_precision, patch_model, set_policy
 from quantmla.tracking.store import load_record, make_record, record_path, write_atomic
+from quantmla.tracking.wandb_mirror import mirror
 
 
 def format_table(record: dict) -> str:
     """Markdown table: the BF16 reference (if measured) and the job's precision × method."""
     cfg, metrics = record["config"], record["metrics"]
+    if cfg["eval"]["kind"] == "memory":
+        return "\n".join(f"| {k} | {v:.4g} |" for k, v in metrics.items())
     datasets = cfg["eval"]["datasets"]
     rows = []
     if any(k.startswith("bf16/") for k in metrics):
@@ -106,9 +109,36 @@ def evaluate(cfg: RunConfig) -> dict:
     return metrics
 
 
-def run(cfg: RunConfig) -> dict:
+def memory_metrics(cfg: RunConfig) -> dict:
+    """Persistent cache bytes per layer and request (SPEC §6) for the job's precision."""
+    from quantmla.memory import LAYOUTS, CacheLayout
+
+    bits = parse_precision(cfg.precision.name)
+    layout = CacheLayout(
+        bits.content_bits,
+        bits.rope_bits,
+        sink=cfg.precision.sink,
+        recent=cfg.precision.recent,
+        group_size=cfg.precision.group_size,
+    )
+    lengths = cfg.eval.context_lengths or [2**k for k in range(10, 21)]
+    metrics = {"memory/page_bytes": layout.page_bytes(), "memory/token_bytes": layout.token_bytes()}
+    for n in lengths:
+        metrics[f"memory/bytes@{n}"] = layout.persistent_bytes(n)
+        metrics[f"memory/compression@{n}"] = LAYOUTS["bf16"].persistent_bytes(
+            n
+        ) / layout.persistent_bytes(n)
+    return metrics
+
+
+def run(cfg: RunConfig) -> dict | None:
     """One job: validate, skip if done, evaluate, record."""
     validate(cfg)
+    if cfg.precision.name == "bf16" and cfg.method.name != "rtn":
+        print(
+            f"[quantmla] precision=bf16 quantizes nothing: method={cfg.method.name} skipped (the rtn job is BF16)"
+        )
+        return None
     config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     path = record_path(cfg.results_dir, cfg.experiment_name, config)
     existing = load_record(path)
@@ -120,11 +150,12 @@ def run(cfg: RunConfig) -> dict:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     started = time.time()
-    metrics = evaluate(cfg)
+    metrics = memory_metrics(cfg) if cfg.eval.kind == "memory" else evaluate(cfg)
     record = make_record(
         config, metrics, cfg.experiment_name, time.time() - started, repo=repo_root()
     )
     write_atomic(path, record)
+    mirror(record, cfg.logger)
     print(format_table(record))
     print(f"[quantmla] wrote {path} ({record['wall_time_s']:.1f} s)")
     return record

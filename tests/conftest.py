@@ -9,6 +9,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import quantmla.config  # noqa: E402,F401  (registers the structured-config schemas for compose())
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("QUANTMLA_SHARED", REPO.parent / "shared"))
 DATA_DIR = SHARED / "data"

@@ -95,7 +95,8 @@ def random_model_from_config_file(
 def load_pretrained(
     path_or_id: str, dtype: str = "auto", trust_remote_code: bool = False, device: str = "cpu"
 ):
-    """A checkpoint (local folder or hub id) and its tokenizer; `kimi_k2` loads as DeepSeek-V3."""
+    """A checkpoint (local folder or hub id) and its tokenizer; `kimi_k2` loads as DeepSeek-V3.
+    `device="auto"` shards the model over every visible GPU (device_map="auto")."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     local = Path(path_or_id).expanduser()
@@ -107,8 +108,15 @@ def load_pretrained(
     raw = json.loads((local / "config.json").read_text()) if looks_local else None
     config = config_from_dict(raw) if raw is not None else None
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+    placement = {"device_map": "auto"} if device == "auto" else {}  # "auto": shard over all GPUs
     model = AutoModelForCausalLM.from_pretrained(
-        path_or_id, config=config, dtype=torch_dtype, trust_remote_code=trust_remote_code
-    ).to(device)
+        path_or_id,
+        config=config,
+        dtype=torch_dtype,
+        trust_remote_code=trust_remote_code,
+        **placement,
+    )
+    if device != "auto":
+        model = model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(path_or_id, trust_remote_code=trust_remote_code)
     return model.eval(), tokenizer
