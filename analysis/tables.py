@@ -1,16 +1,19 @@
-"""Regenerate a table from the results store.
+"""Regenerate a paper table from the results store (or W&B with --source wandb), in the paper's
+layout: models × precisions × methods, suite averages with equal weight per benchmark, the best
+quantized value per model/precision/column in bold (BF16 never bold; ties at display precision all
+bold), "—" for a missing cell (never zero), and the paper's own numbers beside ours where stated.
 
-    python -m analysis.tables tiny_methods [--results results] [--out docs/tables]
-
-`tiny_methods`: the tiny model's precision × method table (perplexities and mean per-layer
-attention-output NMSE). Rows come only from result records; a missing cell shows "—"; the best
-quantized value per precision and column is bold (BF16 excluded from bolding).
+    python -m analysis.tables tiny_table1            # Markdown to stdout, Markdown + LaTeX to docs/tables/
+    python -m analysis.tables table1 --source wandb --project quantmla
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from quantmla.tracking.store import load_records
 
@@ -21,71 +24,183 @@ METHOD_LABEL = {
     "quarot": "QuaRot†",
     "quantmla": "QuantMLA",
 }
-COLUMNS = (
-    ("ppl/wikitext2", "WikiText-2 ppl", "{:.3f}"),
-    ("ppl/c4", "C4 ppl", "{:.3f}"),
-    ("nmse/attn_mean", "attn-output NMSE", "{:.3e}"),
+PRECISION_ORDER = ("bf16", "c4r4", "c2r4", "c4r16", "c8r8")
+PAPER_NUMBERS = Path(__file__).with_name("paper_numbers.yaml")
+
+
+@dataclass(frozen=True)
+class Column:
+    metric: str  # key in the record's metrics
+    header: str
+    fmt: str = "{:.2f}"
+    higher_is_better: bool = True
+    paper_key: str | None = None  # key in paper_numbers.yaml
+
+
+@dataclass(frozen=True)
+class Layout:
+    experiment: str
+    columns: tuple[Column, ...]
+    average: bool  # append an equal-weight average over the columns
+    paper_table: str | None = None
+
+
+def _task_columns(tasks):
+    return tuple(Column(f"acc/{t}", t, "{:.2f}", True, t) for t in tasks)
+
+
+TABLE1_TASKS = (
+    "hellaswag",
+    "piqa",
+    "arc_easy",
+    "arc_challenge",
+    "winogrande",
+    "mmlu",
+    "gsm8k",
+    "fda",
+    "swde",
+    "squad_completion",
 )
+TABLE2_TASKS = ("gpqa_diamond", "mmlu", "gsm8k", "math500", "aime25", "humaneval", "livecodebench")
+TINY = (
+    Column("ppl/wikitext2", "WikiText-2 ppl", "{:.3f}", False),
+    Column("ppl/c4", "C4 ppl", "{:.3f}", False),
+    Column("nmse/attn_mean", "attn-output NMSE", "{:.3e}", False),
+)
+LAYOUTS = {
+    "table1": Layout("table1", _task_columns(TABLE1_TASKS), True, "table1"),
+    "table2": Layout("table2", _task_columns(TABLE2_TASKS), True, "table2"),
+    "tiny_table1": Layout("tiny_table1", TINY, False),
+}
 
 
-def method_table(records: list[dict]) -> str:
-    """Markdown: BF16, then each precision's methods; lower is better in every column."""
-    cells: dict[tuple[str, str], dict] = {}
+def _average(metrics: dict, columns) -> float | None:
+    values = [metrics.get(c.metric) for c in columns]
+    return None if any(v is None for v in values) else sum(values) / len(values)
+
+
+def build(records: list[dict], layout: Layout, paper: dict | None = None) -> list[list[str]]:
+    """The table as rows of cell strings; bold marked with **…**. First row is the header."""
+    cells = {}
     for r in records:
-        cells[(r["config"]["precision"]["name"], r["config"]["method"]["name"])] = r["metrics"]
-    precisions = sorted(
-        {p for p, _ in cells if p != "bf16"}, key=lambda p: (-int(p[1 : p.index("r")]), p)
-    )
-    lines = [
-        "| precision | method | " + " | ".join(c[1] for c in COLUMNS) + " |",
-        "|" + "---|" * (2 + len(COLUMNS)),
-    ]
-    bf16 = next((m for (p, _), m in cells.items() if p == "bf16"), None)
-    if bf16 is not None:
-        lines.append(
-            "| BF16 | — | " + " | ".join(_fmt(bf16.get(k), f) for k, _, f in COLUMNS) + " |"
+        c = r["config"]
+        cells[(c["model"]["name"], c["precision"]["name"], c["method"]["name"])] = dict(
+            r["metrics"]
         )
-    for precision in precisions:
-        best = {}
-        for key, _, fmt in COLUMNS:
-            values = [cells.get((precision, m), {}).get(key) for m in METHOD_ORDER]
-            shown = [fmt.format(v) for v in values if v is not None]
-            best[key] = min(shown, key=float) if shown else None
-        for method in METHOD_ORDER:
-            metrics = cells.get((precision, method), {})
-            row = []
-            for key, _, fmt in COLUMNS:
-                text = _fmt(metrics.get(key), fmt)
-                row.append(
-                    f"**{text}**" if text == best[key] else text
-                )  # ties at display precision all bold
-            lines.append(
-                f"| {precision.upper()} | {METHOD_LABEL[method]} | " + " | ".join(row) + " |"
-            )
+    columns = list(layout.columns)
+    if layout.average:
+        for metrics in cells.values():
+            metrics["avg"] = _average(metrics, layout.columns)
+        columns.append(Column("avg", "Avg", "{:.2f}", True, "avg"))
+    paper_rows = (paper or {}).get(layout.paper_table or "", {})
+    header = ["model", "precision", "method"] + [c.header for c in columns]
+    rows = [header]
+    models = sorted({m for m, _, _ in cells})
+    for model in models:
+        precisions = sorted(
+            {p for m, p, _ in cells if m == model},
+            key=lambda p: (
+                p not in PRECISION_ORDER,
+                PRECISION_ORDER.index(p) if p in PRECISION_ORDER else 0,
+                p,
+            ),
+        )
+        for precision in precisions:
+            methods = ["rtn"] if precision == "bf16" else list(METHOD_ORDER)
+            shown = {
+                (method, col.metric): (
+                    None
+                    if cells.get((model, precision, method), {}).get(col.metric) is None
+                    else col.fmt.format(cells[(model, precision, method)][col.metric])
+                )
+                for method in methods
+                for col in columns
+            }
+            best = {}
+            if precision != "bf16":
+                for col in columns:
+                    values = [
+                        shown[(m, col.metric)]
+                        for m in methods
+                        if shown[(m, col.metric)] is not None
+                    ]
+                    if values:
+                        pick = max if col.higher_is_better else min
+                        best[col.metric] = pick(values, key=float)
+            for method in methods:
+                row = [
+                    model,
+                    precision.upper(),
+                    "—" if precision == "bf16" else METHOD_LABEL[method],
+                ]
+                for col in columns:
+                    text = shown[(method, col.metric)] or "—"
+                    if text != "—" and best.get(col.metric) == text:
+                        text = f"**{text}**"
+                    stated = (
+                        paper_rows.get(model, {}).get(precision, {}).get(method, {}) or {}
+                    ).get(col.paper_key or "")
+                    if stated is not None:
+                        text += f" (paper {stated})"
+                    row.append(text)
+                rows.append(row)
+    return rows
+
+
+def to_markdown(rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(r) + " |" for r in rows[1:]]
     return "\n".join(lines)
 
 
-def _fmt(value, fmt: str) -> str:
-    return "—" if value is None else fmt.format(value)
+def to_latex(rows: list[list[str]]) -> str:
+    def cell(text: str) -> str:
+        text = text.replace("—", "--").replace("†", r"$^\dagger$").replace("_", r"\_")
+        if text.startswith("**"):
+            inner, _, rest = text[2:].partition("**")
+            text = rf"\textbf{{{inner}}}{rest}"
+        return text
 
-
-TABLES = {"tiny_methods": ("tiny_methods", method_table)}
+    spec = "lll" + "r" * (len(rows[0]) - 3)
+    body = [" & ".join(cell(c) for c in r) + r" \\" for r in rows[1:]]
+    head = " & ".join(cell(c) for c in rows[0]) + r" \\ \midrule"
+    return "\n".join(
+        [
+            rf"\begin{{tabular}}{{{spec}}}",
+            r"\toprule",
+            head,
+            *body,
+            r"\bottomrule",
+            r"\end{tabular}",
+        ]
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("table", choices=sorted(TABLES))
+    parser.add_argument("table", choices=sorted(LAYOUTS))
     parser.add_argument("--results", default="results")
-    parser.add_argument("--out", default=None, help="also write <out>/<table>.md")
+    parser.add_argument("--source", choices=("store", "wandb"), default="store")
+    parser.add_argument("--project", default="quantmla")
+    parser.add_argument("--entity", default=None)
+    parser.add_argument("--out", default="docs/tables")
     args = parser.parse_args()
-    experiment, build = TABLES[args.table]
-    text = build(load_records(args.results, experiment))
-    print(text)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / f"{args.table}.md").write_text(text + "\n")
+    layout = LAYOUTS[args.table]
+    if args.source == "wandb":
+        from quantmla.tracking.wandb_mirror import load_records_from_wandb
+
+        records = load_records_from_wandb(args.project, layout.experiment, args.entity)
+    else:
+        records = load_records(args.results, layout.experiment)
+    rows = build(records, layout, yaml.safe_load(PAPER_NUMBERS.read_text()))
+    markdown = to_markdown(rows)
+    print(markdown)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.table}.md").write_text(markdown + "\n")
+    (out / f"{args.table}.tex").write_text(to_latex(rows) + "\n")
 
 
 if __name__ == "__main__":

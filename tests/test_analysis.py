@@ -1,28 +1,69 @@
-from analysis.tables import method_table
+from analysis.tables import LAYOUTS, build, to_latex, to_markdown
 
 
-def record(precision, method, **metrics):
+def record(model, precision, method, **metrics):
     return {
-        "config": {"precision": {"name": precision}, "method": {"name": method}},
+        "config": {
+            "model": {"name": model},
+            "precision": {"name": precision},
+            "method": {"name": method},
+        },
         "metrics": metrics,
     }
 
 
-def test_method_table_bolds_best_quantized_and_shows_missing():
+TASKS = [c.metric for c in LAYOUTS["table1"].columns]
+
+
+def full(value):
+    return {t: value for t in TASKS}
+
+
+def test_table1_layout_bold_average_missing_and_paper():
     records = [
-        record("bf16", "rtn", **{"ppl/wikitext2": 10.0, "ppl/c4": 20.0}),
-        record("c4r4", "rtn", **{"ppl/wikitext2": 12.0, "ppl/c4": 21.0, "nmse/attn_mean": 1e-2}),
+        record("deepseek_v2_lite", "bf16", "rtn", **full(60.0)),
+        record("deepseek_v2_lite", "c4r4", "rtn", **full(50.0)),
+        record("deepseek_v2_lite", "c4r4", "quantmla", **{**full(59.0), "acc/gsm8k": 35.25}),
         record(
-            "c4r4", "quantmla", **{"ppl/wikitext2": 11.0, "ppl/c4": 21.0, "nmse/attn_mean": 1e-3}
-        ),
-        record("c2r4", "rtn", **{"ppl/wikitext2": 30.0}),
+            "deepseek_v2_lite", "c4r4", "quarot", **{t: 50.0 for t in TASKS[:-1]}
+        ),  # one task missing
     ]
-    lines = method_table(records).splitlines()
-    assert lines[2] == "| BF16 | — | 10.000 | 20.000 | — |"  # BF16 never bold
-    c4r4 = {line.split(" | ")[1]: line for line in lines if line.startswith("| C4R4")}
-    assert c4r4["QuantMLA"] == "| C4R4 | QuantMLA | **11.000** | **21.000** | **1.000e-03** |"
+    paper = {"table1": {"deepseek_v2_lite": {"c4r4": {"quantmla": {"gsm8k": 35.25}}}}}
+    rows = build(records, LAYOUTS["table1"], paper)
+    header, *body = rows
+    assert header[:3] == ["model", "precision", "method"] and header[-1] == "Avg"
+    by = {(r[1], r[2]): r for r in body}
+    bf16 = by[("BF16", "—")]
+    assert bf16[-1] == "60.00" and not any("**" in c for c in bf16)  # BF16 never bold
+    quantmla = by[("C4R4", "QuantMLA")]
+    assert quantmla[3] == "**59.00**"
+    gsm8k = 3 + TASKS.index("acc/gsm8k")
+    assert quantmla[gsm8k] == "35.25 (paper 35.25)"  # RTN's and QuaRot's 50.00 win this column
     assert (
-        c4r4["RTN"] == "| C4R4 | RTN | 12.000 | **21.000** | 1.000e-02 |"
-    )  # a tie is bold in both
-    assert c4r4["QuaRot†"] == "| C4R4 | QuaRot† | — | — | — |"
-    assert lines.index(c4r4["RTN"]) < lines.index(next(x for x in lines if x.startswith("| C2R4")))
+        by[("C4R4", "RTN")][gsm8k] == "**50.00**" and by[("C4R4", "QuaRot†")][gsm8k] == "**50.00**"
+    )  # tie
+    assert quantmla[-1] == f"**{(59.0 * 9 + 35.25) / 10:.2f}**"  # equal weight per benchmark
+    assert (
+        by[("C4R4", "QuaRot†")][-1] == "—" and by[("C4R4", "QuaRot†")][-2] == "—"
+    )  # missing, never zero
+    assert by[("C4R4", "SmoothQuant†")][3:] == ["—"] * (len(header) - 3)
+    assert "| deepseek_v2_lite | C4R4 | QuantMLA | **59.00** |" in to_markdown(rows)
+    latex = to_latex(rows)
+    assert r"\textbf{59.00}" in latex and "SmoothQuant$^\\dagger$" in latex and "--" in latex
+
+
+def test_tiny_table_lower_is_better_and_no_average():
+    records = [
+        record("tiny_mla", "bf16", "rtn", **{"ppl/wikitext2": 10.0}),
+        record("tiny_mla", "c2r4", "rtn", **{"ppl/wikitext2": 12.0, "nmse/attn_mean": 1e-2}),
+        record("tiny_mla", "c2r4", "quantmla", **{"ppl/wikitext2": 11.0, "nmse/attn_mean": 1e-3}),
+    ]
+    rows = build(records, LAYOUTS["tiny_table1"])
+    assert rows[0][-1] == "attn-output NMSE"
+    by = {(r[1], r[2]): r for r in rows[1:]}
+    assert (
+        by[("C2R4", "QuantMLA")][3] == "**11.000**"
+        and by[("C2R4", "QuantMLA")][5] == "**1.000e-03**"
+    )
+    assert by[("C2R4", "RTN")][3] == "12.000"
+    assert [r[1] for r in rows[1:]][0] == "BF16"
