@@ -5,7 +5,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup run test test-full lint format bench train-tiny
+.PHONY: setup run test test-full lint format bench train-tiny sweep-tiny tables figures
 
 setup:
 	test -x $(PY) || python3 -m venv .venv
@@ -35,3 +35,12 @@ bench:
 
 train-tiny:
 	$(PY) -m experiments.train_tiny_mla
+
+sweep-tiny:
+	$(PY) -m quantmla.run experiment=tiny_table1
+
+tables:
+	$(PY) -m analysis.tables tiny_table1
+
+figures:
+	$(PY) -m analysis.figures fig5a
