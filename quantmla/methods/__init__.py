@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import torch
+from lightning.pytorch.loggers import CSVLogger
 
 from quantmla.calibration.capture import capture_inputs
 from quantmla.calibration.context import CalibrationContext
@@ -112,6 +113,8 @@ def prepare_method(cfg, model, adapter, tokenizer) -> MethodResult | None:
             group_size=group,
             seed=cfg.seed,
             alphas=tuple(cal.alphas),
+            # per-layer training and held-out losses, beside the artifact (also mirrored to W&B)
+            logger=CSVLogger(path.parent / "logs", name=path.stem),
         )
     result.metadata = expected
     save_artifact(result, path)
