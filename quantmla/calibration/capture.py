@@ -22,6 +22,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 
+def map_position_embeddings(pe, fn):
+    """Apply `fn` to RoPE position embeddings: one tensor (DeepSeek-V2's complex freqs) or (cos, sin)."""
+    return fn(pe) if isinstance(pe, torch.Tensor) else tuple(fn(p) for p in pe)
+
+
 class ActivationStore:
     """Per-layer (N, L, hidden) input tensors, in RAM or memory-mapped under `store_dir`."""
 
@@ -48,9 +53,6 @@ class ActivationStore:
                 for i in range(n_layers)
             ]
         self.position_embeddings: list = [None] * n_layers
-
-    def __len__(self) -> int:
-        return len(self.inputs)
 
 
 @torch.no_grad()
@@ -82,9 +84,8 @@ def capture_inputs(
             start = cursor["start"]
             store.inputs[i][start : start + h.shape[0]] = h.to(store.inputs[i].dtype).cpu()
             if store.position_embeddings[i] is None:
-                pe = kwargs.get("position_embeddings")
-                store.position_embeddings[i] = (
-                    pe[:1].cpu() if isinstance(pe, torch.Tensor) else tuple(p[:1].cpu() for p in pe)
+                store.position_embeddings[i] = map_position_embeddings(
+                    kwargs.get("position_embeddings"), lambda p: p[:1].cpu()
                 )
 
         hooks.append(module.register_forward_hook(hook, with_kwargs=True))

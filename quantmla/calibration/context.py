@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quantmla.calibration.capture import ActivationStore
+from quantmla.calibration.capture import ActivationStore, map_position_embeddings
 from quantmla.calibration.objectives import layer_output
 from quantmla.models.adapters import MLAAdapter, MLAProjections
 from quantmla.transforms.core import pair_indices
@@ -37,10 +37,9 @@ class CalibrationContext:
         return gamma
 
     def position_embeddings(self, layer: int, length: int):
-        pe = self.store.position_embeddings[layer]
-        if isinstance(pe, torch.Tensor):
-            return pe[:, :length].to(self.device)
-        return tuple(p[:, :length].to(self.device) for p in pe)
+        return map_position_embeddings(
+            self.store.position_embeddings[layer], lambda p: p[:, :length].to(self.device)
+        )
 
     @torch.no_grad()
     def project(self, layer: int, index: torch.Tensor) -> tuple[MLAProjections, torch.Tensor]:
@@ -49,9 +48,6 @@ class CalibrationContext:
         h = self.store.inputs[layer][index].to(self.device)
         proj = self.adapter.project(module, h, self.position_embeddings(layer, h.shape[1]))
         return proj, layer_output(module, self.adapter, proj)
-
-    def batches(self, index: torch.Tensor, batch_size: int):
-        return index.split(batch_size)
 
     @torch.no_grad()
     def channel_statistics(self, layer: int, quantile: float = 0.999, batch_size: int = 8):
@@ -62,7 +58,7 @@ class CalibrationContext:
             self.adapter.geometry(self.modules[layer]).cache_pairs,
         )
         gamma = self.gamma(layer)
-        for index in self.batches(self.calibration, batch_size):
+        for index in self.calibration.split(batch_size):
             proj, _ = self.project(layer, index)
             u_abs.append((proj.c / gamma).abs().flatten(0, 1).float().cpu())
             k = proj.k_rot.flatten(0, 1).float().cpu()

@@ -147,7 +147,7 @@ class QuantMLACalibration(L.LightningModule):
         record = {"step": step}
         for layer, params in enumerate(self.layers):
             sums = torch.zeros(2)
-            batches = self.ctx.batches(self.ctx.heldout, self.heldout_batch_size)
+            batches = self.ctx.heldout.split(self.heldout_batch_size)
             for index in batches:
                 sums += torch.tensor([float(v) for v in self.losses(layer, index, ste=False)])
             means = sums / len(batches)

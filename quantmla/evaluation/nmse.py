@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantmla.calibration.capture import ActivationStore, capture_inputs
+from quantmla.calibration.capture import ActivationStore, capture_inputs, map_position_embeddings
 
 
 @dataclass
@@ -21,11 +21,8 @@ class OutputNMSE:
         with torch.no_grad():
             for i, module in enumerate(modules):
                 device = module.o_proj.weight.device
-                pe = store.position_embeddings[i]
-                pe = (
-                    pe.to(device)
-                    if isinstance(pe, torch.Tensor)
-                    else tuple(p.to(device) for p in pe)
+                pe = map_position_embeddings(
+                    store.position_embeddings[i], lambda p, d=device: p.to(d)
                 )
                 h = store.inputs[i].to(device)
                 outs.append(

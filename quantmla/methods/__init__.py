@@ -8,7 +8,6 @@ otherwise; `apply_method` fuses it. Calibration always sees the unquantized, unf
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch
@@ -28,17 +27,12 @@ from quantmla.methods.quantmla_method import quantmla
 from quantmla.methods.quarot import quarot
 from quantmla.methods.smoothquant import smoothquant
 from quantmla.simulator import parse_precision
+from quantmla.tracking.store import stable_hash
 
 METHODS = ("rtn", "smoothquant", "quarot", "quantmla")
 CALIBRATED = ("smoothquant", "quantmla")
 
 __all__ = ["METHODS", "ArtifactMismatchError", "MethodResult", "apply_method", "prepare_method"]
-
-
-def _sha(payload) -> str:
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[
-        :16
-    ]
 
 
 def _tensor_sha(t: torch.Tensor) -> str:
@@ -66,7 +60,7 @@ def artifact_metadata(cfg, model, data_hash: str) -> dict[str, str]:
     p = cfg.precision
     return {
         "model": cfg.model.path,
-        "model_config_hash": _sha(model.config.to_dict()),
+        "model_config_hash": stable_hash(model.config.to_dict(), 16),
         "precision": p.name,
         "quantizer": f"asym-pertoken-g{p.group_size}-rne-content_bf16-rope_fp32",
         "method": cfg.method.name,
@@ -89,7 +83,7 @@ def prepare_method(cfg, model, adapter, tokenizer) -> MethodResult | None:
     expected = artifact_metadata(cfg, model, ctx.data_hash)
     path = Path(
         cfg.method.artifact
-        or Path(cfg.results_dir) / "artifacts" / name / f"{_sha(expected)}.safetensors"
+        or Path(cfg.results_dir) / "artifacts" / name / f"{stable_hash(expected, 16)}.safetensors"
     )
     if path.is_file() and not cfg.force:
         print(f"[quantmla] loading {name} artifact {path}")

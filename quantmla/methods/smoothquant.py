@@ -39,7 +39,7 @@ def heldout_output_nmse(
     gamma = ctx.gamma(layer)
     layout = ctx.adapter.geometry(ctx.modules[layer]).cache_pairs
     err = energy = 0.0
-    for index in ctx.batches(ctx.heldout, batch_size):
+    for index in ctx.heldout.split(batch_size):
         proj, y = ctx.project(layer, index)
         c, q_rot, k_rot = proj.c, proj.q_rot, proj.k_rot
         if content is not None:

@@ -52,12 +52,15 @@ def result_relevant(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return kept
 
 
-def config_hash(config: dict[str, Any], length: int = 12) -> str:
-    """Stable hash of the result-relevant part of a resolved config (canonical JSON, sorted keys)."""
-    canonical = json.dumps(
-        result_relevant(config), sort_keys=True, separators=(",", ":"), default=str
-    )
+def stable_hash(payload: Any, length: int = 12) -> str:
+    """sha256 of canonical JSON (sorted keys, no whitespace), truncated."""
+    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:length]
+
+
+def config_hash(config: dict[str, Any], length: int = 12) -> str:
+    """Stable hash of the result-relevant part of a resolved config."""
+    return stable_hash(result_relevant(config), length)
 
 
 def record_path(results_dir: str | os.PathLike, experiment: str, config: dict[str, Any]) -> Path:
