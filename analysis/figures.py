@@ -1,43 +1,73 @@
-"""Regenerate a figure (PNG and PDF).
+"""Regenerate a figure (PNG and PDF) from the results store only.
 
-    python -m analysis.figures fig5a [--out docs]
+    python -m analysis.figures fig5a [--experiment fig5a_memory] [--results results] [--out docs]
 
-`fig5a`: persistent KV-cache memory per layer and request, 1K–1M tokens, for BF16, C4R4, C2R4 and
-C4R16, from the byte layout in `quantmla.memory`, with the paper's stated ratios beside ours.
+`fig5a`: persistent KV-cache memory per layer and request, 1K–1M tokens, one curve per precision,
+from the records of `python -m quantmla.run experiment=fig5a_memory` (the model's own d_c, d_r),
+with the paper's stated ratios beside ours. Output files are byte-identical when nothing changed
+(no timestamps in the PDF or PNG), so regenerating never dirties the tree for nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import yaml
 
-from quantmla.memory import LAYOUTS, compression
+from analysis.tables import default_results_dir
+from quantmla.tracking.store import load_records
 
 PAPER = Path(__file__).with_name("paper_numbers.yaml")
+STYLES = {"bf16": "k-", "c4r16": "C2--", "c4r4": "C0-o", "c2r4": "C3-s"}
+# Fixed metadata: matplotlib otherwise stamps the creation date (PDF) and its version (both).
+DETERMINISTIC = {
+    "pdf": {"CreationDate": None, "Producer": None, "Creator": None},
+    "png": {"Software": None},
+}
 
 
-def fig5a(out: Path) -> list[Path]:
+def _series(metrics: dict, prefix: str) -> tuple[list[int], list[float]]:
+    points = sorted((int(k.split("@")[1]), v) for k, v in metrics.items() if k.startswith(prefix))
+    return [t for t, _ in points], [v for _, v in points]
+
+
+def fig5a(records: list[dict], out: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     paper = yaml.safe_load(PAPER.read_text())["fig5a_memory"]["c4r4"]
-    tokens = [2**k for k in range(10, 21)]
+    models = sorted({r["config"]["model"]["name"] for r in records})
+    model = models[0]
+    by_precision = {
+        r["config"]["precision"]["name"]: r["metrics"]
+        for r in records
+        if r["config"]["model"]["name"] == model
+    }
+    order = [p for p in STYLES if p in by_precision] + sorted(set(by_precision) - set(STYLES))
     fig, (ax, ax_ratio) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for name, style in (("bf16", "k-"), ("c4r16", "C2--"), ("c4r4", "C0-o"), ("c2r4", "C3-s")):
-        mib = [LAYOUTS[name].persistent_bytes(t) / 2**20 for t in tokens]
-        ax.plot(tokens, mib, style, label=name.upper(), markersize=4)
+    for name in order:
+        metrics, style = by_precision[name], STYLES.get(name, "-")
+        tokens, size = _series(metrics, "memory/bytes@")
+        ax.plot(tokens, [b / 2**20 for b in size], style, label=name.upper(), markersize=4)
         if name != "bf16":
-            ax_ratio.plot(
-                tokens,
-                [compression(name, t) for t in tokens],
-                style,
-                label=name.upper(),
-                markersize=4,
-            )
+            tokens, ratio = _series(metrics, "memory/compression@")
+            ax_ratio.plot(tokens, ratio, style, label=name.upper(), markersize=4)
+            if name == "c4r4":
+                for t, key in ((4096, "compression_4k"), (131_072, "compression_128k")):
+                    if t in tokens:
+                        ours = ratio[tokens.index(t)]
+                        ax_ratio.annotate(
+                            f"{ours:.2f}× (paper {paper[key]:.2f}×)",
+                            (t, ours),
+                            textcoords="offset points",
+                            xytext=(-30, -18),
+                            fontsize=8,
+                            color="C0",
+                        )
     for a in (ax, ax_ratio):
         a.set_xscale("log", base=2)
         a.set_xlabel("cached tokens per request")
@@ -46,30 +76,23 @@ def fig5a(out: Path) -> list[Path]:
     ax.set_ylabel("persistent cache per layer (MiB)")
     ax.legend()
     ax_ratio.set_ylabel("compression vs BF16 (×)")
-    for t, key in ((4096, "compression_4k"), (131_072, "compression_128k")):
-        ours = compression("c4r4", t)
-        ax_ratio.annotate(
-            f"{ours:.2f}× (paper {paper[key]:.2f}×)",
-            (t, ours),
-            textcoords="offset points",
-            xytext=(-30, -18),
-            fontsize=8,
-            color="C0",
-        )
     ax_ratio.legend()
+    any_metrics = by_precision[order[0]]
     fig.suptitle(
-        "Fig. 5a — persistent MLA cache memory (d_c 512, d_r 64, 64-token pages, sink 4 + recent 128)"
+        f"Fig. 5a — persistent MLA cache memory, {model} (d_c {any_metrics['memory/d_c']}, "
+        f"d_r {any_metrics['memory/d_r']}, 64-token pages, protection sink + recent)"
     )
     fig.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "fig5a_memory.png", out / "fig5a_memory.pdf"]
+    stem = "fig5a_memory" if model == "deepseek_v2_lite" else f"fig5a_memory_{model}"
+    paths = [out / f"{stem}.png", out / f"{stem}.pdf"]
     for p in paths:
-        fig.savefig(p, dpi=150)
+        fig.savefig(p, dpi=150, metadata=DETERMINISTIC[p.suffix[1:]])
     plt.close(fig)
     return paths
 
 
-FIGURES = {"fig5a": fig5a}
+FIGURES = {"fig5a": (fig5a, "fig5a_memory")}
 
 
 def main() -> None:
@@ -77,9 +100,22 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("figure", choices=sorted(FIGURES))
+    parser.add_argument("--experiment", default=None, help="records of this experiment")
+    parser.add_argument(
+        "--results", default=None, help="results store (default: paths.results_dir)"
+    )
     parser.add_argument("--out", default="docs")
     args = parser.parse_args()
-    for path in FIGURES[args.figure](Path(args.out)):
+    draw, experiment = FIGURES[args.figure]
+    experiment = args.experiment or experiment
+    root = Path(args.results) if args.results else default_results_dir()
+    records = load_records(root, experiment)
+    if not records:
+        sys.exit(
+            f"error: no records in {root / experiment}; run `python -m quantmla.run "
+            f"experiment={experiment}` first (nothing was written)"
+        )
+    for path in draw(records, Path(args.out)):
         print(f"wrote {path}")
 
 

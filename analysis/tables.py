@@ -10,20 +10,17 @@ bold), "—" for a missing cell (never zero), and the paper's own numbers beside
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from quantmla.methods.registry import METHODS
 from quantmla.tracking.store import load_records
 
-METHOD_ORDER = ("rtn", "smoothquant", "quarot", "quantmla")
-METHOD_LABEL = {
-    "rtn": "RTN",
-    "smoothquant": "SmoothQuant†",
-    "quarot": "QuaRot†",
-    "quantmla": "QuantMLA",
-}
+METHOD_ORDER = tuple(METHODS)
+METHOD_LABEL = {name: m.label for name, m in METHODS.items()}
 PRECISION_ORDER = ("bf16", "c4r4", "c2r4", "c4r16", "c8r8")
 PAPER_NUMBERS = Path(__file__).with_name("paper_numbers.yaml")
 
@@ -176,12 +173,22 @@ def to_latex(rows: list[list[str]]) -> str:
     )
 
 
+def default_results_dir() -> Path:
+    """The results store of the default `paths` config (`paths.results_dir` under `paths.root`)."""
+    from quantmla.config import PathsConfig
+    from quantmla.paths import Paths
+
+    return Paths.from_config(PathsConfig()).results_dir
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("table", choices=sorted(LAYOUTS))
-    parser.add_argument("--results", default="results")
+    parser.add_argument(
+        "--results", default=None, help="results store (default: paths.results_dir)"
+    )
     parser.add_argument("--source", choices=("store", "wandb"), default="store")
     parser.add_argument("--project", default="quantmla")
     parser.add_argument("--entity", default=None)
@@ -193,7 +200,17 @@ def main() -> None:
 
         records = load_records_from_wandb(args.project, layout.experiment, args.entity)
     else:
-        records = load_records(args.results, layout.experiment)
+        records = load_records(args.results or default_results_dir(), layout.experiment)
+    if not records:
+        where = (
+            f"W&B group {layout.experiment!r}"
+            if args.source == "wandb"
+            else Path(args.results or default_results_dir()) / layout.experiment
+        )
+        sys.exit(
+            f"error: no records for {args.table} in {where}; run `python -m quantmla.run "
+            f"experiment={layout.experiment}` first (nothing was written)"
+        )
     rows = build(records, layout, yaml.safe_load(PAPER_NUMBERS.read_text()))
     markdown = to_markdown(rows)
     print(markdown)

@@ -102,3 +102,28 @@ def absorbed_attention(q_nope, q_rot, regions, w_uk, w_uv, scaling):
         parts.append(softmax_partial(scores * scaling, allowed, c[:, None]))
     latent = merge_partials(*parts)  # (B, H, n, d_c)
     return torch.einsum("bhnc,hvc->bhnv", latent, _acc(w_uv)).to(q_nope.dtype)
+
+
+def causal_regions(c: torch.Tensor, k_rot: torch.Tensor) -> list:
+    """One region over a whole sequence (no cache, no protection): calibration and analysis."""
+    n = c.shape[1]
+    allowed = torch.ones(n, n, dtype=torch.bool, device=c.device).tril()[None, None]
+    return [(c, k_rot, allowed.expand(c.shape[0], 1, n, n))]
+
+
+def attention_output(module, adapter, q_nope, q_rot, regions, form: str = "auto", geometry=None):
+    """Post-`o_proj` attention output (B, n, hidden) of one MLA module's query parts over latent-cache
+    regions; `form="auto"` picks the cheaper of the expanded and absorbed forms."""
+    geometry = geometry or adapter.geometry(module)
+    b, _, n, _ = q_nope.shape
+    if form == "auto":
+        n_keys = sum(r[0].shape[1] for r in regions)
+        form = choose_form(n, n_keys, geometry.d_c, geometry.d_r, geometry.d_nope, geometry.d_v)
+    if form == "absorbed":
+        w_uk, w_uv = adapter.up_projections(module)
+        out = absorbed_attention(q_nope, q_rot, regions, w_uk, w_uv, geometry.scaling)
+    else:
+        out = expanded_attention(
+            q_nope, q_rot, regions, module.kv_b_proj.weight, geometry.d_nope, geometry.scaling
+        )
+    return module.o_proj(out.transpose(1, 2).reshape(b, n, -1).to(module.o_proj.weight.dtype))

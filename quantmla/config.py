@@ -1,176 +1,233 @@
-"""Structured-config schemas of the Hydra app (`conf/`), and validation before any heavy work."""
+"""Structured-config schemas of the Hydra app (`conf/`), and validation before any heavy work.
+
+Every field carries a one-line `help` (shown by `python -m quantmla.run --help`). This module
+imports nothing heavy: `--help` and config errors answer in seconds.
+"""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+import tempfile
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
-
-from hydra.core.config_store import ConfigStore
 
 from quantmla.errors import ConfigError, DataNotFoundError, NotImplementedYet
 
 
+def opt(default=MISSING, help: str = "", factory=None):  # noqa: A002
+    """A dataclass field with a one-line description."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class ModelConfig:
-    name: str = "tiny_mla"
-    path: str = "assets/tiny-mla"  # local checkpoint folder (relative to the repo) or hub id
-    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
-    device: str = "cpu"
-    eval_seqlen: int = 512  # perplexity window length
-    trust_remote_code: bool = False
+    name: str = opt("tiny_mla", "short name used in tables and tags")
+    path: str = opt(
+        "assets/tiny-mla", "checkpoint folder (relative to paths.checkpoints_dir) or hub id"
+    )
+    config: str | None = opt(None, "published config.json used before/without loading weights")
+    dtype: str = opt("float32", "float32 | bfloat16 | float16 | auto")
+    device: str = opt("cpu", "cpu | cuda | cuda:N | auto (shard over all GPUs)")
+    eval_seqlen: int = opt(512, "perplexity window length (tokens)")
+    trust_remote_code: bool = opt(
+        False, "run a checkpoint's own modeling code (only if you trust it)"
+    )
 
 
 @dataclass
 class PrecisionConfig:
-    name: str = "c4r4"  # 'bf16' or 'c<x>r<y>'
-    sink: int = 4
-    recent: int = 128
-    group_size: int = 64
+    name: str = opt("c4r4", "'bf16' or 'c<x>r<y>': content/RoPE bits, x, y in 1..8 or 16")
+    sink: int = opt(4, "first tokens read unquantized (BF16 protection)")
+    recent: int = opt(128, "most recent tokens read unquantized (BF16 protection)")
+    group_size: int = opt(64, "quantization group along d_c and d_r")
 
 
 @dataclass
 class CalibrationConfig:
-    """Calibration data and optimisation (SmoothQuant†, QuantMLA). Paper: 128 + 32 WikiText-2 sequences."""
+    """Calibration data and optimisation (SmoothQuant†, QuantMLA); the only place their defaults live."""
 
-    dataset: str = "wikitext2"
-    split: str = (
-        "valid"  # WikiText-2 train is not available here: calibrate on valid, evaluate on test
+    dataset: str = opt("wikitext2", "calibration text")
+    split: str = opt("valid", "WikiText-2 train is not available here: calibrate on valid")
+    n_calibration: int = opt(128, "calibration sequences (paper: 128)")
+    n_heldout: int = opt(32, "held-out sequences for α and checkpoint selection (paper: 32)")
+    seqlen: int | None = opt(None, "calibration sequence length; null: model.eval_seqlen")
+    capture_batch_size: int = opt(4, "sequences per teacher forward during capture")
+    store_dir: str | None = opt(None, "memory-map captured activations here (large models)")
+    alphas: list[float] = opt(
+        help="initial-scale exponents searched per layer and path",
+        factory=lambda: [0.125, 0.25, 0.5, 0.75, 1.0],
     )
-    n_calibration: int = 128
-    n_heldout: int = 32
-    seqlen: int | None = None  # None: model.eval_seqlen
-    capture_batch_size: int = 4
-    store_dir: str | None = None  # memory-map captured activations here (large models)
-    alphas: list[float] = field(default_factory=lambda: [0.125, 0.25, 0.5, 0.75, 1.0])
-    steps: int = 300
-    batch_size: int = 4
-    lr_rotation: float = 1e-3
-    lr_scale: float = 1e-2
-    select_every: int = 25
+    steps: int = opt(300, "QuantMLA optimisation steps")
+    batch_size: int = opt(4, "sequences per step and per held-out batch")
+    lr_rotation: float = opt(1e-3, "Adam learning rate of the Cayley parameters")
+    lr_scale: float = opt(1e-2, "Adam learning rate of angles and log-scales")
+    select_every: int = opt(25, "steps between held-out checkpoint selections")
 
 
 @dataclass
 class MethodConfig:
-    name: str = "rtn"  # rtn | smoothquant | quarot | quantmla
-    calibration: CalibrationConfig | None = None
-    artifact: str | None = None  # load this transform artifact instead of calibrating
+    name: str = opt("rtn", "rtn | smoothquant | quarot | quantmla")
+    calibration: CalibrationConfig | None = opt(None, "calibration block (calibrated methods)")
+    artifact: str | None = opt(None, "load this transform artifact instead of calibrating")
 
 
 @dataclass
-class DataConfig:
-    data_dir: str | None = None  # local data folder; None -> $QUANTMLA_DATA_DIR, else the hub
+class PathsConfig:
+    root: str | None = opt(None, "base of relative paths; null: the repository root (else cwd)")
+    data_dir: str | None = opt(None, "local data folder; null: the hub ($QUANTMLA_DATA_DIR wins)")
+    results_dir: str = opt(
+        "results", "results store: <results_dir>/<experiment>/<hash>/result.json"
+    )
+    artifacts_dir: str | None = opt(None, "calibrated transforms; null: <results_dir>/artifacts")
+    checkpoints_dir: str | None = opt(None, "base of a relative model.path; null: root")
 
 
 @dataclass
 class EvalConfig:
-    kind: str = "perplexity"  # see EVAL_KINDS; the paper's other artifacts name theirs
-    tasks: list[str] = field(default_factory=list)  # benchmark tasks (lm_eval / ruler kinds)
-    context_lengths: list[int] = field(default_factory=list)  # ruler, memory, latency kinds
-    datasets: list[str] = field(default_factory=lambda: ["wikitext2", "c4"])
-    splits: dict[str, str] = field(default_factory=lambda: {"wikitext2": "test", "c4": "eval"})
-    max_windows: int | None = None  # cap on windows per dataset (None: all)
-    batch_size: int = 4
-    compare_bf16: bool = True  # also measure the unquantized model in the same job
-    nmse_windows: int = (
-        8  # windows of the first dataset for per-layer attention-output NMSE (0: off)
+    kind: str = opt("perplexity", "evaluator (see quantmla.evaluation.registry)")
+    tasks: list[str] = opt(help="benchmark tasks (lm_eval / ruler kinds)", factory=list)
+    context_lengths: list[int] = opt(help="ruler, memory, latency kinds", factory=list)
+    datasets: list[str] = opt(help="perplexity datasets", factory=lambda: ["wikitext2", "c4"])
+    splits: dict[str, str] = opt(
+        help="split per dataset", factory=lambda: {"wikitext2": "test", "c4": "eval"}
     )
+    max_windows: int | None = opt(None, "windows per dataset (null: all = the full evaluation)")
+    batch_size: int = opt(4, "windows per forward")
+    compare_bf16: bool = opt(True, "also measure the unquantized model in the same job")
+    nmse_windows: int = opt(8, "windows for per-layer attention-output NMSE (0: off)")
 
 
 @dataclass
 class LoggerConfig:
-    name: str = "wandb"  # wandb | none
-    project: str = "quantmla"
-    entity: str | None = None
-    mode: str = "offline"  # offline | online | disabled
+    name: str = opt("wandb", "wandb | none")
+    project: str = opt("quantmla", "W&B project")
+    entity: str | None = opt(None, "W&B entity")
+    mode: str = opt("offline", "offline | online | disabled")
 
 
 @dataclass
 class RunConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    method: MethodConfig = field(default_factory=MethodConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    experiment_name: str = "default"
-    seed: int = 0
-    results_dir: str = "results"
-    force: bool = False  # recompute even if a record with this config hash exists
-    threads: int = 0  # torch threads (0: leave torch's default)
+    model: ModelConfig = opt(help="the MLA model", factory=ModelConfig)
+    precision: PrecisionConfig = opt(help="cache precision and protection", factory=PrecisionConfig)
+    method: MethodConfig = opt(help="quantization method", factory=MethodConfig)
+    paths: PathsConfig = opt(
+        help="data, results, artifacts, checkpoints roots", factory=PathsConfig
+    )
+    eval: EvalConfig = opt(help="what is measured", factory=EvalConfig)
+    logger: LoggerConfig = opt(help="W&B mirror of the record", factory=LoggerConfig)
+    experiment_name: str = opt("default", "results/<experiment_name>/...; W&B group")
+    seed: int = opt(0, "seeds data sampling and calibration")
+    force: bool = opt(False, "recompute even if a record with this config hash exists")
+    threads: int = opt(0, "torch CPU threads (0: torch's default)")
 
 
-ConfigStore.instance().store(name="run_schema", node=RunConfig)
+def register_schemas() -> None:
+    from hydra.core.config_store import ConfigStore
 
-METHODS = ("rtn", "smoothquant", "quarot", "quantmla")
-# Evaluation kinds; those not in IMPLEMENTED_KINDS stop before loading anything.
-EVAL_KINDS = (
-    "perplexity",
-    "memory",
-    "lm_eval",
-    "ruler",
-    "sensitivity",
-    "probes",
-    "latency",
-    "throughput",
-)
-IMPLEMENTED_KINDS = ("perplexity", "memory")
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+
+
+register_schemas()
+
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 DATASETS = ("wikitext2", "c4")
+LOGGERS = ("wandb", "none")
 
 
-def repo_root() -> Path:
-    return Path(__file__).resolve().parents[1]
+def describe(schema=RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted field, default, help) for every leaf field of a schema, for `--help`."""
+    rows = []
+    for f in fields(schema):
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        if is_dataclass(default):
+            rows += describe(type(default), f"{prefix}{f.name}.")
+        else:
+            rows.append((f"{prefix}{f.name}", repr(default), f.metadata.get("help", "")))
+    return rows
 
 
-def resolve_model_path(path: str) -> str:
-    """Repo-relative local paths resolve against the repository; anything else is returned as is."""
-    candidate = repo_root() / path
-    return str(candidate) if not Path(path).is_absolute() and candidate.exists() else path
+def check_writable(path: Path, field_name: str) -> None:
+    """Create `path` if needed and prove a file can be written in it (before any heavy work)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise ConfigError(
+            field_name, str(path), f"a writable folder ({err.strerror or err})"
+        ) from None
 
 
-def validate(cfg: RunConfig) -> None:
-    """Every check that needs no model: one-line errors naming the field, value and what is allowed."""
-    from quantmla.data.sources import resolve_data_dir
-    from quantmla.models.loading import config_from_dict
-    from quantmla.simulator import CachePolicy
+def validate(cfg: RunConfig):
+    """Every check that needs no model: one-line errors naming the field, value and what is allowed.
+
+    Returns the run's evaluator and resolved paths. An evaluator that is not implemented yet stops
+    last, so a sweep's every other field is still checked."""
+    from quantmla.evaluation.registry import EVALUATORS
+    from quantmla.methods.registry import METHODS
+    from quantmla.paths import Paths
+    from quantmla.policy import CachePolicy
 
     policy = CachePolicy(
         cfg.precision.name, cfg.precision.sink, cfg.precision.recent, cfg.precision.group_size
     )
-    if cfg.method.name not in METHODS:
-        raise ConfigError("method.name", cfg.method.name, METHODS)
-    if (
-        cfg.method.name in ("smoothquant", "quantmla")
-        and cfg.method.calibration is None
-        and not cfg.method.artifact
-    ):
+    method = METHODS.get(cfg.method.name)
+    if method is None:
+        raise ConfigError("method.name", cfg.method.name, tuple(METHODS))
+    if method.calibrated and cfg.method.calibration is None and not cfg.method.artifact:
         raise ConfigError(
             "method.calibration", None, "a calibration block (see conf/method/quantmla.yaml)"
         )
     if cfg.model.dtype not in DTYPES:
         raise ConfigError("model.dtype", cfg.model.dtype, DTYPES)
-    if cfg.eval.kind not in EVAL_KINDS:
-        raise ConfigError("eval.kind", cfg.eval.kind, EVAL_KINDS)
-    if cfg.eval.kind not in IMPLEMENTED_KINDS:
-        raise NotImplementedYet(
-            f"eval.kind={cfg.eval.kind!r} is not implemented yet (config and table layout exist); "
-            f"implemented: {', '.join(IMPLEMENTED_KINDS)}"
-        )
-    if cfg.logger.name not in ("wandb", "none"):
-        raise ConfigError("logger.name", cfg.logger.name, ("wandb", "none"))
+    evaluator = EVALUATORS.get(cfg.eval.kind)
+    if evaluator is None:
+        raise ConfigError("eval.kind", cfg.eval.kind, tuple(EVALUATORS))
+    if cfg.logger.name not in LOGGERS:
+        raise ConfigError("logger.name", cfg.logger.name, LOGGERS)
     for name in cfg.eval.datasets:
         if name not in DATASETS:
             raise ConfigError("eval.datasets", name, DATASETS)
-    if cfg.eval.kind == "memory":
-        return  # analytic: no model, no data
-    resolve_data_dir(cfg.data.data_dir)
-    path = resolve_model_path(cfg.model.path)
-    local = Path(path)
-    if local.is_absolute() or path.startswith("."):
-        if not (local / "config.json").is_file():
+    if cfg.eval.max_windows is not None and cfg.eval.max_windows < 1:
+        raise ConfigError("eval.max_windows", cfg.eval.max_windows, "null (all) or >= 1")
+    paths = Paths.from_config(cfg.paths)
+    check_writable(paths.results_dir, "paths.results_dir")
+    if evaluator.needs_data:
+        from quantmla.data.sources import resolve_data_dir
+
+        resolve_data_dir(paths.data_dir)
+    model_config = model_config_without_weights(cfg, paths)
+    if model_config is not None:
+        policy.check_dims(model_config.kv_lora_rank, model_config.qk_rope_head_dim)
+    elif not evaluator.needs_model:
+        raise ConfigError(
+            "model.config",
+            None,
+            f"a published config.json (eval.kind={evaluator.kind} reads only the config)",
+        )
+    if not evaluator.implemented:
+        raise NotImplementedYet(
+            f"eval.kind={cfg.eval.kind!r} is not implemented yet ({evaluator.description}); "
+            f"implemented: {', '.join(k for k, e in EVALUATORS.items() if e.implemented)}"
+        )
+    return evaluator, paths
+
+
+def model_config_without_weights(cfg: RunConfig, paths):
+    """The model's published config fields (attribute access, no transformers import) from its local
+    checkpoint's config.json, else from `model.config`, else None (a hub id: checked when it loads).
+    A local path without config.json stops here."""
+    import json
+    from types import SimpleNamespace
+
+    from quantmla.paths import local_config_json
+
+    found = local_config_json(paths.checkpoint(cfg.model.path))
+    if found is None and cfg.model.config:
+        found = paths.resolve(cfg.model.config)
+        if not found.is_file():
             raise DataNotFoundError(
-                f"model.path={cfg.model.path!r}: no config.json at {local}; set model.path to a checkpoint folder or hub id"
+                f"model.config={cfg.model.config!r}: no file at {found}; point it at a config.json or set it to null"
             )
-        config = config_from_dict(json.loads((local / "config.json").read_text()))
-        policy.check_dims(config.kv_lora_rank, config.qk_rope_head_dim)
+    return SimpleNamespace(**json.loads(found.read_text())) if found is not None else None

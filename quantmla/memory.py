@@ -21,37 +21,48 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from quantmla.spec import META_DTYPE_BYTES, UNQUANTIZED_BITS, QuantizerSpec
+
 BF16_BYTES = 2
+ZERO_POINT_BYTES = 1  # UINT8
 PAGE_TOKENS = 64
 PAGE_MAP_BYTES = 8  # reverse page map entry per physical page
 
 
 @dataclass(frozen=True)
 class CacheLayout:
-    content_bits: int  # 16 = BF16
-    rope_bits: int
+    """Bytes of the packed cache for one quantizer spec, model geometry and protection window."""
+
+    spec: QuantizerSpec
     d_c: int = 512
     d_r: int = 64
-    group_size: int = 64
     sink: int = 4
     recent: int = 128
 
     @property
     def quantized(self) -> bool:
-        return self.content_bits < 16 or self.rope_bits < 16
+        return self.spec.quantized
 
     def _codes(self, dim: int, bits: int) -> int:
-        return dim * BF16_BYTES if bits >= 16 else dim * bits // 8
+        return dim * BF16_BYTES if bits >= UNQUANTIZED_BITS else dim * bits // 8
+
+    def _meta(self, dim: int, bits: int, meta_dtype: str) -> int:
+        if bits >= UNQUANTIZED_BITS:
+            return 0
+        return (dim // self.spec.group_size) * (META_DTYPE_BYTES[meta_dtype] + ZERO_POINT_BYTES)
 
     def metadata_bytes(self) -> int:
-        content = (self.d_c // self.group_size) * (2 + 1) if self.content_bits < 16 else 0
-        rope = (self.d_r // self.group_size) * (4 + 1) if self.rope_bits < 16 else 0
-        return math.ceil((content + rope) / 8) * 8
+        s = self.spec
+        raw = self._meta(self.d_c, s.content_bits, s.content_meta_dtype) + self._meta(
+            self.d_r, s.rope_bits, s.rope_meta_dtype
+        )
+        return math.ceil(raw / 8) * 8
 
     def token_bytes(self) -> int:
+        s = self.spec
         return (
-            self._codes(self.d_c, self.content_bits)
-            + self._codes(self.d_r, self.rope_bits)
+            self._codes(self.d_c, s.content_bits)
+            + self._codes(self.d_r, s.rope_bits)
             + self.metadata_bytes()
         )
 
@@ -70,12 +81,13 @@ class CacheLayout:
         return pages * per_page + self.protection_bytes()
 
 
-LAYOUTS = {
-    "bf16": CacheLayout(16, 16),
-    "c4r4": CacheLayout(4, 4),
-    "c2r4": CacheLayout(2, 4),
-    "c4r16": CacheLayout(4, 16),
-}
+def layout(precision: str, d_c: int = 512, d_r: int = 64, **fields) -> CacheLayout:
+    """The layout of `precision` ('c4r4', ...); the paper's dims by default."""
+    protection = {k: fields.pop(k) for k in ("sink", "recent") if k in fields}
+    return CacheLayout(QuantizerSpec.from_precision(precision, **fields), d_c, d_r, **protection)
+
+
+LAYOUTS = {name: layout(name) for name in ("bf16", "c4r4", "c2r4", "c4r16")}
 
 
 def compression(precision: str, tokens: int) -> float:

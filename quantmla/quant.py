@@ -19,15 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from quantmla.errors import ConfigError
+from quantmla.spec import check_bits
 
 SCALE_FLOOR = 1e-8
 PACKABLE_BITS = (2, 4, 8)
-
-
-def check_bits(bits: int, field: str = "bits") -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise ConfigError(field, bits, "an integer in 1..8")
-    return bits
 
 
 def _grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:

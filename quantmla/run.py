@@ -1,173 +1,179 @@
 """`python -m quantmla.run`: evaluate one (model, precision, method) and write its result record.
 
-Validates the whole config first (no model is loaded for a bad one), skips the job if its record
-already exists (unless force=true), measures WikiText-2/C4 perplexity of the quantized cache (and
-of the unquantized model when eval.compare_bf16), prints a table and writes
+Validates the whole config first (nothing loads for a bad one, and the results folder must be
+writable), skips the job if its record already exists (unless force=true), prepares the model
+(`quantmla.prepare`), runs the registered evaluator of `eval.kind`, prints a table and writes
 `results/<experiment>/<config-hash>/result.json`.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import time
+from pathlib import Path
 
-import hydra
-import torch
-from omegaconf import OmegaConf
+HELP = """\
+quantmla — function-aligned dual-path quantization of the MLA latent KV cache (QuantMLA).
 
-from quantmla.config import RunConfig, repo_root, resolve_model_path, validate
-from quantmla.data import load_text, perplexity_windows, tokenize
-from quantmla.errors import QuantMLAError
-from quantmla.evaluation.nmse import OutputNMSE
-from quantmla.evaluation.perplexity import perplexity
-from quantmla.methods import apply_method, prepare_method
-from quantmla.methods.equivalence import EquivalenceProbe
-from quantmla.models.adapters import get_adapter
-from quantmla.models.loading import load_pretrained
-from quantmla.simulator import parse_precision, patch_model, set_policy
-from quantmla.tracking.store import load_record, make_record, record_path, write_atomic
-from quantmla.tracking.wandb_mirror import mirror
+Every job evaluates one (model, precision, method) and writes one record to
+<paths.results_dir>/<experiment_name>/<config-hash>/result.json (a finished job is skipped).
 
+Main commands
+  python -m quantmla.run                                  preview: tiny model, RTN C4R4, ~1 min on 2 CPU cores
+  python -m quantmla.run eval=perplexity                  the full evaluation behind the README's numbers
+  python -m quantmla.run precision=c2r4 method=quantmla   one job (any c<x>r<y>: precision=c3r4 works too)
+  python -m quantmla.run -m method=rtn,quarot precision=c4r4,c2r4      a sweep (resumes when rerun)
+  python -m quantmla.run experiment=tiny_table1           a paper artifact's sweep (conf/experiment/)
+  python -m analysis.tables tiny_table1                   rebuild a table from the records
+  python -m quantmla.run --cfg job [overrides]            print the composed config
+  python -m quantmla.run --hydra-help                     Hydra's own options (launchers, sweeps)
+"""
 
-def format_table(record: dict) -> str:
-    """Markdown table: the BF16 reference (if measured) and the job's precision × method."""
-    cfg, metrics = record["config"], record["metrics"]
-    if cfg["eval"]["kind"] == "memory":
-        return "\n".join(f"| {k} | {v:.4g} |" for k, v in metrics.items())
-    datasets = cfg["eval"]["datasets"]
-    rows = []
-    if any(k.startswith("bf16/") for k in metrics):
-        rows.append(("bf16", "—", [metrics.get(f"bf16/ppl/{d}") for d in datasets], None))
-    quantized = [metrics.get(f"ppl/{d}") for d in datasets]
-    rows.append(
-        (cfg["precision"]["name"], cfg["method"]["name"], quantized, metrics.get("nmse/attn_mean"))
-    )
-    lines = [
-        "| precision | method | " + " | ".join(f"ppl/{d}" for d in datasets) + " | attn NMSE |",
-        "|" + "---|" * (3 + len(datasets)),
-    ]
-    for precision, method, ppls, nmse in rows:
-        cells = ["—" if v is None else f"{v:.3f}" for v in ppls] + [
-            "—" if nmse is None else f"{nmse:.3e}"
-        ]
-        lines.append(f"| {precision} | {method} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+_running: dict = {}  # the job in progress, for the one-line Ctrl-C message
 
 
-def evaluate(cfg: RunConfig) -> dict:
-    """Load, prepare the method, fuse (checked), quantize, measure; returns the metrics dict."""
-    model, tokenizer = load_pretrained(
-        resolve_model_path(cfg.model.path),
-        cfg.model.dtype,
-        cfg.model.trust_remote_code,
-        cfg.model.device,
-    )
-    adapter = get_adapter(model.config)
-    modules = adapter.attention_modules(model)
-    p = cfg.precision
-    patch_model(model, "bf16", sink=p.sink, recent=p.recent, group_size=p.group_size)
-    windows = {
-        name: perplexity_windows(
-            tokenize(load_text(name, cfg.eval.splits[name], cfg.data.data_dir), tokenizer),
-            cfg.model.eval_seqlen,
-            cfg.eval.max_windows,
-        )
-        for name in cfg.eval.datasets
-    }
-    metrics: dict = {f"windows/{name}": int(w.shape[0]) for name, w in windows.items()}
+def run(cfg) -> dict | None:
+    """One job: validate, skip if done, prepare, evaluate, record. Returns the record."""
+    from omegaconf import OmegaConf
 
-    def measure_perplexity(prefix: str, label: str) -> None:
-        for name, w in windows.items():
-            metrics[f"{prefix}ppl/{name}"] = perplexity(
-                model, w, cfg.eval.batch_size, desc=f"{label} {name}"
-            )
+    from quantmla.config import validate
+    from quantmla.tracking.store import load_record, record_path
 
-    if cfg.eval.compare_bf16:
-        measure_perplexity("bf16/", "bf16")
-    first = windows[cfg.eval.datasets[0]]
-    reference = (
-        OutputNMSE.capture(model, modules, first[: cfg.eval.nmse_windows])
-        if cfg.eval.nmse_windows
-        else None
-    )
-
-    started = time.time()
-    result = prepare_method(cfg, model, adapter, tokenizer)
-    metrics["method/seconds"] = time.time() - started
-    if result is not None:
-        probe = EquivalenceProbe(first[:2]).capture(model, modules)
-        apply_method(model, adapter, result)
-        metrics.update({f"equivalence/{k}": v for k, v in probe.check(model, modules).items()})
-        if result.report:
-            metrics["method/report"] = result.report
-    set_policy(model, precision=p.name)
-    measure_perplexity("", f"{p.name} {cfg.method.name}")
-    if reference is not None:
-        per_layer = reference.measure(modules)
-        metrics["nmse/attn_layers"] = per_layer
-        metrics["nmse/attn_mean"] = sum(per_layer) / len(per_layer)
-    return metrics
-
-
-def memory_metrics(cfg: RunConfig) -> dict:
-    """Persistent cache bytes per layer and request (SPEC §6) for the job's precision."""
-    from quantmla.memory import LAYOUTS, CacheLayout
-
-    bits = parse_precision(cfg.precision.name)
-    layout = CacheLayout(
-        bits.content_bits,
-        bits.rope_bits,
-        sink=cfg.precision.sink,
-        recent=cfg.precision.recent,
-        group_size=cfg.precision.group_size,
-    )
-    lengths = cfg.eval.context_lengths or [2**k for k in range(10, 21)]
-    metrics = {"memory/page_bytes": layout.page_bytes(), "memory/token_bytes": layout.token_bytes()}
-    for n in lengths:
-        metrics[f"memory/bytes@{n}"] = layout.persistent_bytes(n)
-        metrics[f"memory/compression@{n}"] = LAYOUTS["bf16"].persistent_bytes(
-            n
-        ) / layout.persistent_bytes(n)
-    return metrics
-
-
-def run(cfg: RunConfig) -> dict | None:
-    """One job: validate, skip if done, evaluate, record."""
-    validate(cfg)
+    evaluator, paths = validate(cfg)
     if cfg.precision.name == "bf16" and cfg.method.name != "rtn":
         print(
             f"[quantmla] precision=bf16 quantizes nothing: method={cfg.method.name} skipped (the rtn job is BF16)"
         )
         return None
     config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-    path = record_path(cfg.results_dir, cfg.experiment_name, config)
+    path = record_path(paths.results_dir, cfg.experiment_name, config)
+    _running.update(
+        job=f"{cfg.model.name} {cfg.precision.name} {cfg.method.name} ({cfg.eval.kind})",
+        experiment_dir=paths.results_dir / cfg.experiment_name,
+    )
     existing = load_record(path)
     if existing is not None and not cfg.force:
         print(f"[quantmla] {path} exists: skipped (force=true recomputes)")
-        print(format_table(existing))
+        print(evaluator.format_table(existing))
         return existing
+    import torch
+
+    from quantmla.paths import repo_root
+    from quantmla.prepare import prepare
+    from quantmla.tracking.store import make_record
+    from quantmla.tracking.wandb_mirror import mirror
+
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     started = time.time()
-    metrics = memory_metrics(cfg) if cfg.eval.kind == "memory" else evaluate(cfg)
+    prepared = prepare(cfg, paths, load_model=evaluator.needs_model)
+    metrics = {**prepared.metrics, **evaluator.evaluate(cfg, prepared)}
     record = make_record(
         config, metrics, cfg.experiment_name, time.time() - started, repo=repo_root()
     )
-    write_atomic(path, record)
+    print(evaluator.format_table(record))
+    save_record(path, record)
     mirror(record, cfg.logger)
-    print(format_table(record))
     print(f"[quantmla] wrote {path} ({record['wall_time_s']:.1f} s)")
     return record
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="config")
-def main(cfg) -> None:
+def save_record(path: Path, record: dict) -> None:
+    """Write the record; if that fails, the metrics are printed (the table already was) so nothing
+    computed is lost, and the error names the path."""
+    import json
+
+    from quantmla.errors import QuantMLAError
+    from quantmla.tracking.store import write_atomic
+
     try:
-        run(OmegaConf.to_object(cfg))
-    except QuantMLAError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        write_atomic(path, record)
+    except OSError as err:
+        print(json.dumps(record["metrics"], indent=1, default=str))
+        raise QuantMLAError(
+            f"could not write the record to {path} ({err.strerror or err}); its metrics are printed above"
+        ) from None
+
+
+def _interrupted() -> None:
+    experiment = _running.get("experiment_dir")
+    done = len(list(Path(experiment).glob("*/result.json"))) if experiment else 0
+    job = _running.get("job", "before the first job started")
+    print(
+        f"\ninterrupted: {job}; {done} record(s) complete in {experiment or 'the results store'}; "
+        "rerun the same command to resume",
+        file=sys.stderr,
+    )
+    sys.exit(130)
+
+
+_PRECISION_ARG = re.compile(r"(\+{0,2})precision=([^()]+)")
+
+
+def _precision_presets() -> set[str]:
+    return {
+        p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "precision").glob("*.yaml")
+    }
+
+
+def route_precision(argv: list[str]) -> list[str]:
+    """`precision=c3r4` (no preset file) means `precision.name=c3r4`: every preset only names its
+    precision, so the two are the same job; the name is then validated in one line."""
+    presets = _precision_presets()
+    routed = []
+    for arg in argv:
+        match = _PRECISION_ARG.fullmatch(arg)
+        if match and any(v not in presets for v in match.group(2).split(",")):
+            arg = f"precision.name={match.group(2)}"
+        routed.append(arg)
+    return routed
+
+
+def help_text() -> str:
+    from quantmla.config import describe
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    groups = sorted(p for p in conf.iterdir() if p.is_dir() and not p.name.startswith("."))
+    lines = [HELP, "Config groups (group=option)"]
+    for g in groups:
+        options = sorted(p.stem for p in g.glob("*.yaml")) or sorted(
+            f"{p.name}/…" for p in g.iterdir() if p.is_dir()
+        )
+        lines.append(f"  {g.name}: {', '.join(options)}")
+    lines += ["", "Fields (field=value; defaults before the group presets apply)"]
+    for name, default, text in describe():
+        lines.append(f"  {name:<34} {default:<14} {text}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        return
+    sys.argv[1:] = route_precision(argv)
+    try:
+        import hydra
+
+        import quantmla.config  # noqa: F401  (registers the structured-config schema)
+
+        @hydra.main(version_base=None, config_path="../conf", config_name="config")
+        def app(cfg) -> None:
+            from omegaconf import OmegaConf
+
+            from quantmla.errors import QuantMLAError
+
+            try:
+                run(OmegaConf.to_object(cfg))
+            except QuantMLAError as err:
+                print(f"error: {err}", file=sys.stderr)
+                sys.exit(2)
+
+        app()
+    except KeyboardInterrupt:
+        _interrupted()
 
 
 if __name__ == "__main__":

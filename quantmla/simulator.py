@@ -12,102 +12,33 @@ layer and token slots instead; the quantizer itself keeps NaN/Inf inside its own
 
 from __future__ import annotations
 
-import re
 import types
 from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from quantmla.attention import absorbed_attention, choose_form, expanded_attention, protected_mask
-from quantmla.errors import ConfigError, NonFiniteCacheError
-from quantmla.models.adapters import MLAAdapter, get_adapter
-from quantmla.quant import quantize_dequantize
-
-UNQUANTIZED_BITS = 16
-FORMS = ("auto", "expanded", "absorbed")
-META_DTYPES = ("bfloat16", "float16", "float32")
-_PRECISION_RE = re.compile(r"c(\d+)r(\d+)")
+from quantmla.attention import attention_output, protected_mask
+from quantmla.errors import ConfigError, NonFiniteCacheError, QuantMLAError
+from quantmla.models.adapters import MLAAdapter, MLAGeometry, get_adapter
+from quantmla.policy import CachePolicy
 
 
-@dataclass(frozen=True)
-class CachePrecision:
-    content_bits: int  # 16 = unquantized
-    rope_bits: int
+@dataclass
+class LayerPatch:
+    """Everything a patched MLA module's forward needs, owned by the patch (one object per module).
 
-    @property
-    def quantized(self) -> bool:
-        return self.content_bits < UNQUANTIZED_BITS or self.rope_bits < UNQUANTIZED_BITS
+    `rope_online`: an orthogonal matrix applied to the post-RoPE query and key before caching
+    (QuaRot†'s Hadamard, which cannot be fused); None for every other method."""
 
-
-def parse_precision(precision: str) -> CachePrecision:
-    """'bf16' or 'c<x>r<y>' with x, y in 1..8 or 16 (16 = that path unquantized)."""
-    allowed = "'bf16' or 'c<x>r<y>' with x, y in 1..8 or 16 (e.g. c4r4, c2r4, c4r16)"
-    if precision == "bf16":
-        return CachePrecision(UNQUANTIZED_BITS, UNQUANTIZED_BITS)
-    match = _PRECISION_RE.fullmatch(str(precision))
-    if not match:
-        raise ConfigError("precision", precision, allowed)
-    bits = tuple(int(g) for g in match.groups())
-    if any(not (1 <= b <= 8 or b == UNQUANTIZED_BITS) for b in bits):
-        raise ConfigError("precision", precision, allowed)
-    return CachePrecision(*bits)
+    adapter: MLAAdapter
+    geometry: MLAGeometry
+    policy: CachePolicy
+    original_forward: object
+    rope_online: torch.Tensor | None = None
 
 
-@dataclass(frozen=True)
-class CachePolicy:
-    """How the simulated cache is read. Validated on construction."""
-
-    precision: str = "bf16"
-    sink: int = 4
-    recent: int = 128
-    group_size: int = 64
-    form: str = "auto"  # auto | expanded | absorbed
-    content_meta_dtype: str = "bfloat16"  # stored scale/zero dtype of the content latent
-    rope_meta_dtype: str = "float32"  # ... of the RoPE key
-    check_finite: bool = True
-
-    def __post_init__(self):
-        parse_precision(self.precision)
-        for name in ("sink", "recent"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(name, value, "an integer >= 0")
-        if (
-            isinstance(self.group_size, bool)
-            or not isinstance(self.group_size, int)
-            or self.group_size < 1
-        ):
-            raise ConfigError(
-                "group_size", self.group_size, "a positive integer dividing d_c and d_r"
-            )
-        if self.form not in FORMS:
-            raise ConfigError("form", self.form, FORMS)
-        for name in ("content_meta_dtype", "rope_meta_dtype"):
-            if getattr(self, name) not in META_DTYPES:
-                raise ConfigError(name, getattr(self, name), META_DTYPES)
-
-    @property
-    def bits(self) -> CachePrecision:
-        return parse_precision(self.precision)
-
-    def check_dims(self, d_c: int, d_r: int) -> None:
-        """The group size must divide both cached widths (only when something is quantized)."""
-        if not self.bits.quantized:
-            return
-        for name, dim in (("d_c", d_c), ("d_r", d_r)):
-            if dim % self.group_size:
-                raise ConfigError(
-                    "group_size",
-                    self.group_size,
-                    f"a divisor of {name}={dim} (and of the other path)",
-                )
-
-
-def _qdq(x: torch.Tensor, bits: int, policy: CachePolicy, meta: str) -> torch.Tensor:
-    if bits >= UNQUANTIZED_BITS:
-        return x
-    return quantize_dequantize(x, bits, policy.group_size, meta_dtype=getattr(torch, meta))
+PATCH_ATTRIBUTE = "quantmla_patch"
 
 
 def _allowed_mask(attention_mask, q_slots: torch.Tensor, kv_len: int, batch: int) -> torch.Tensor:
@@ -136,7 +67,7 @@ def mla_forward(
     module: nn.Module,
     hidden_states: torch.Tensor,
     *,
-    adapter: MLAAdapter,
+    patch: LayerPatch,
     position_embeddings=None,
     attention_mask=None,
     cache=None,
@@ -144,15 +75,12 @@ def mla_forward(
     **kwargs,
 ):
     """Drop-in forward of a patched MLA attention module: same inputs and outputs as the original."""
-    policy: CachePolicy = module.quantmla_policy
+    policy, adapter = patch.policy, patch.adapter
     cache = cache if cache is not None else past_key_values
     proj = adapter.project(module, hidden_states, position_embeddings)
-    online = getattr(module, "quantmla_rope_online", None)
-    if online is not None:  # QuaRot†'s post-RoPE Hadamard: cannot be fused, so it runs here
-        proj.q_rot, proj.k_rot = (
-            proj.q_rot @ online.to(proj.q_rot.dtype),
-            proj.k_rot @ online.to(proj.k_rot.dtype),
-        )
+    if patch.rope_online is not None:  # QuaRot†'s post-RoPE Hadamard: cannot be fused
+        online = patch.rope_online.to(proj.q_rot)
+        proj.q_rot, proj.k_rot = proj.q_rot @ online, proj.k_rot @ online
     if policy.check_finite:
         _check_finite(module.layer_idx, c=proj.c, k_R=proj.k_rot)
 
@@ -165,46 +93,18 @@ def mla_forward(
     q_slots = past + torch.arange(n, device=c.device)
     allowed = _allowed_mask(attention_mask, q_slots, c.shape[1], b)
     regions = _regions(policy, c, k_rot, allowed, q_slots)
-    return attention_output(module, adapter, proj.q_nope, proj.q_rot, regions, policy.form), None
-
-
-def attention_output(
-    module: nn.Module, adapter: MLAAdapter, q_nope, q_rot, regions, form: str = "auto"
-):
-    """Post-`o_proj` attention output (B, n, hidden) of query parts over latent-cache regions."""
-    geometry = (
-        module.quantmla_geometry
-        if hasattr(module, "quantmla_geometry")
-        else adapter.geometry(module)
+    out = attention_output(
+        module, adapter, proj.q_nope, proj.q_rot, regions, policy.form, patch.geometry
     )
-    b, _, n, _ = q_nope.shape
-    if form == "auto":
-        n_keys = sum(r[0].shape[1] for r in regions)
-        form = choose_form(n, n_keys, geometry.d_c, geometry.d_r, geometry.d_nope, geometry.d_v)
-    if form == "absorbed":
-        w_uk, w_uv = adapter.up_projections(module)
-        out = absorbed_attention(q_nope, q_rot, regions, w_uk, w_uv, geometry.scaling)
-    else:
-        out = expanded_attention(
-            q_nope, q_rot, regions, module.kv_b_proj.weight, geometry.d_nope, geometry.scaling
-        )
-    return module.o_proj(out.transpose(1, 2).reshape(b, n, -1).to(module.o_proj.weight.dtype))
-
-
-def causal_regions(c: torch.Tensor, k_rot: torch.Tensor) -> list:
-    """One region over a whole sequence (no cache, no protection): calibration and analysis."""
-    n = c.shape[1]
-    allowed = torch.ones(n, n, dtype=torch.bool, device=c.device).tril()[None, None]
-    return [(c, k_rot, allowed.expand(c.shape[0], 1, n, n))]
+    return out, None
 
 
 def _regions(policy: CachePolicy, c, k_rot, allowed, q_slots):
     """[(c, k_R, allowed)] per region: the dequantized history and the gathered protected rows."""
-    bits = policy.bits
-    if not bits.quantized:
+    spec = policy.spec
+    if not spec.quantized:
         return [(c, k_rot, allowed)]
-    c_hat = _qdq(c, bits.content_bits, policy, policy.content_meta_dtype)
-    k_hat = _qdq(k_rot, bits.rope_bits, policy, policy.rope_meta_dtype)
+    c_hat, k_hat = spec.qdq_content(c), spec.qdq_rope(k_rot)
     protected = protected_mask(q_slots, c.shape[1], policy.sink, policy.recent)[None, None]
     regions = []
     quant_allowed = allowed & ~protected
@@ -241,37 +141,49 @@ def patch_model(
     for g in geometries:
         policy.check_dims(g.d_c, g.d_r)
     for module, geometry in zip(modules, geometries):
-        module.quantmla_policy = policy
-        module.quantmla_geometry = geometry
-        if not hasattr(module, "quantmla_original_forward"):
-            module.quantmla_original_forward = module.forward
-            module.forward = types.MethodType(_bound_forward(adapter), module)
+        existing = getattr(module, PATCH_ATTRIBUTE, None)
+        if existing is not None:
+            existing.policy, existing.geometry = policy, geometry
+            continue
+        patch = LayerPatch(adapter, geometry, policy, module.forward)
+        setattr(module, PATCH_ATTRIBUTE, patch)
+        module.forward = types.MethodType(_bound_forward(patch), module)
     return model
 
 
-def _bound_forward(adapter: MLAAdapter):
+def _bound_forward(patch: LayerPatch):
     def forward(self, hidden_states, **kwargs):
-        return mla_forward(self, hidden_states, adapter=adapter, **kwargs)
+        return mla_forward(self, hidden_states, patch=patch, **kwargs)
 
     return forward
+
+
+def layer_patch(module: nn.Module) -> LayerPatch:
+    """The patch state of one MLA module (stops if the model was not patched)."""
+    patch = getattr(module, PATCH_ATTRIBUTE, None)
+    if patch is None:
+        raise QuantMLAError(
+            f"{type(module).__name__} is not patched: call patch_model(model) first"
+        )
+    return patch
 
 
 def set_policy(model: nn.Module, **changes) -> None:
     """Change fields of the policy of every patched module (e.g. precision='bf16')."""
     for module in patched_modules(model):
-        module.quantmla_policy = replace(module.quantmla_policy, **changes)
-        module.quantmla_policy.check_dims(
-            module.quantmla_geometry.d_c, module.quantmla_geometry.d_r
-        )
+        patch = layer_patch(module)
+        policy = replace(patch.policy, **changes)
+        policy.check_dims(patch.geometry.d_c, patch.geometry.d_r)
+        patch.policy = policy
 
 
 def patched_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "quantmla_policy")]
+    return [m for m in model.modules() if getattr(m, PATCH_ATTRIBUTE, None) is not None]
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
-    """Restore the original forwards."""
+    """Restore the original forwards and drop every piece of patch state (QuaRot†'s matrix included)."""
     for module in patched_modules(model):
-        module.forward = module.quantmla_original_forward
-        del module.quantmla_original_forward, module.quantmla_policy, module.quantmla_geometry
+        module.forward = layer_patch(module).original_forward
+        delattr(module, PATCH_ATTRIBUTE)
     return model

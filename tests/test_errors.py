@@ -12,7 +12,9 @@ from quantmla.errors import QuantMLAError
 from quantmla.models.adapters import get_adapter
 from quantmla.models.loading import config_from_dict, load_pretrained
 from quantmla.quant import quantize_dequantize
-from quantmla.simulator import CachePolicy, parse_precision, patch_model
+from quantmla.policy import CachePolicy
+from quantmla.simulator import patch_model
+from quantmla.spec import parse_precision
 from tests.conftest import MODEL_CONFIGS
 
 
@@ -56,7 +58,7 @@ CASES = {
                 **{
                     "model.path": tiny_checkpoint(tmp),
                     "precision.group_size": 48,
-                    "data.data_dir": "null",
+                    "paths.data_dir": "null",
                 }
             )
         ),
@@ -72,7 +74,7 @@ CASES = {
     ),
     "missing data dir": (
         lambda tmp: load_text("wikitext2", "test", "/nonexistent/data"),
-        "data.data_dir='/nonexistent/data'",
+        "paths.data_dir='/nonexistent/data'",
     ),
     "missing data file": (
         lambda tmp: load_text("wikitext2", "test", str(tmp)),

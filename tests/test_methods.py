@@ -8,17 +8,25 @@ from quantmla import patch_model, set_policy
 from quantmla.calibration.capture import capture_inputs
 from quantmla.calibration.context import CalibrationContext
 from quantmla.calibration.module import QuantMLACalibration
-from quantmla.methods import apply_method
-from quantmla.methods.base import ArtifactMismatchError, MethodResult, load_artifact, save_artifact
+from quantmla.methods.base import apply_method
+from quantmla.config import CalibrationConfig
+from quantmla.methods.base import (
+    ArtifactMismatchError,
+    MethodJob,
+    MethodResult,
+    load_artifact,
+    save_artifact,
+)
 from quantmla.methods.equivalence import EquivalenceProbe, FusionEquivalenceError
 from quantmla.methods.quarot import quarot
 from quantmla.methods.smoothquant import heldout_output_nmse, scales_from_statistics
 from quantmla.models.adapters import get_adapter
 from quantmla.models.tiny import tiny_mla_config
-from quantmla.simulator import parse_precision
+from quantmla.simulator import layer_patch
+from quantmla.spec import QuantizerSpec
 from quantmla.transforms import ContentTransform, LayerTransforms, RopeTransform
 
-C4R4 = parse_precision("c4r4")
+C4R4 = QuantizerSpec.from_precision("c4r4")
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +68,10 @@ def test_alpha_zero_is_the_identity(ctx):
 
 def test_quantmla_steps_lower_both_objectives(ctx):
     module = QuantMLACalibration(
-        ctx, [LayerTransforms() for _ in ctx.modules], C4R4, lr_rotation=5e-3, lr_scale=5e-2
+        ctx,
+        [LayerTransforms() for _ in ctx.modules],
+        C4R4,
+        CalibrationConfig(lr_rotation=5e-3, lr_scale=5e-2),
     )
     module.log = lambda *a, **k: None
     optimizer = module.configure_optimizers()
@@ -120,14 +131,11 @@ def test_quarot_and_equivalence_check(ctx):
     patch_model(model, "bf16")
     x = torch.randint(0, 128, (2, 40))
     probe = EquivalenceProbe(x).capture(model, modules)
-    apply_method(model, adapter, quarot(modules))
+    apply_method(model, adapter, quarot(MethodJob(modules, C4R4)))
     report = probe.check(model, modules)
     assert report["max_layer_rel_error"] < 1e-5
-    assert torch.allclose(
-        modules[0].quantmla_rope_online @ modules[0].quantmla_rope_online.T,
-        torch.eye(64),
-        atol=1e-6,
-    )
+    online = layer_patch(modules[0]).rope_online
+    assert torch.allclose(online @ online.T, torch.eye(64), atol=1e-6)
     # a wrong fusion is caught: break the RoPE rows of one layer
     with torch.no_grad():
         modules[1].kv_a_proj_with_mqa.weight[-64:] *= 1.5

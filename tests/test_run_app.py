@@ -47,7 +47,7 @@ def test_every_group_option_composes(group, options):
     reason="needs tiny model + data",
 )
 def test_default_run_writes_a_record_and_resumes(tmp_path, capsys):
-    overrides = [f"results_dir={tmp_path}", "eval.max_windows=2", f"data.data_dir={DATA_DIR}"]
+    overrides = [f"paths.results_dir={tmp_path}", "eval.max_windows=2", f"paths.data_dir={DATA_DIR}"]
     record = run(compose_run(*overrides))
     path = next(tmp_path.glob("default/*/result.json"))
     stored = json.loads(path.read_text())

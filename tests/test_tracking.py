@@ -34,8 +34,8 @@ def test_config_hash_stable_and_sensitive():
     assert store.config_hash(as_dict("seed=1")) != base
     # where things are written or read from, logging and re-run control do not change a result
     for same in (
-        "results_dir=/elsewhere",
-        "data.data_dir=/other/data",
+        "paths.results_dir=/elsewhere",
+        "paths.data_dir=/other/data",
         "logger=none",
         "force=true",
         "threads=2",
@@ -100,9 +100,9 @@ def test_interrupted_multirun_resumes_without_duplicates(tmp_path):
         "eval.datasets=[wikitext2]",
         "eval.compare_bf16=false",
         "logger=none",
-        f"results_dir={tmp_path}",
+        f"paths.results_dir={tmp_path}",
         "experiment_name=resume",
-        f"data.data_dir={DATA_DIR}",
+        f"paths.data_dir={DATA_DIR}",
         f"hydra.sweep.dir={tmp_path}/multirun",
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}

@@ -22,14 +22,10 @@ import torch
 from torch import nn
 
 from quantmla.calibration.context import CalibrationContext
-from quantmla.calibration.objectives import (
-    content_qdq,
-    layer_output,
-    normalized_mse,
-    positional_qk_loss,
-    rope_qdq,
-)
-from quantmla.simulator import CachePrecision
+from quantmla.calibration.objectives import content_qdq, layer_output, positional_qk_loss, rope_qdq
+from quantmla.config import CalibrationConfig
+from quantmla.evaluation.nmse import nmse
+from quantmla.spec import QuantizerSpec
 from quantmla.transforms import ContentTransform, LayerTransforms, RopeTransform, cayley
 
 LOG_SCALE_CLIP = 2.0
@@ -74,17 +70,11 @@ class QuantMLACalibration(L.LightningModule):
         self,
         ctx: CalibrationContext,
         init: list[LayerTransforms],
-        bits: CachePrecision,
-        group_size: int = 64,
-        lr_rotation: float = 1e-3,
-        lr_scale: float = 1e-2,
-        heldout_batch_size: int = 4,
-        select_every: int = 25,
+        spec: QuantizerSpec,
+        calibration: CalibrationConfig,
     ):
         super().__init__()
-        self.ctx, self.bits, self.group_size = ctx, bits, group_size
-        self.lr_rotation, self.lr_scale = lr_rotation, lr_scale
-        self.heldout_batch_size, self.select_every = heldout_batch_size, select_every
+        self.ctx, self.spec, self.cal = ctx, spec, calibration
         self.layers = nn.ModuleList(
             LayerParameters(t, m.kv_lora_rank, m.qk_rope_head_dim)
             for t, m in zip(init, ctx.modules)
@@ -112,11 +102,10 @@ class QuantMLACalibration(L.LightningModule):
             self.ctx.gamma(layer),
             rotation.to(proj.c),
             scale.to(proj.c),
-            self.bits.content_bits,
-            self.group_size,
+            self.spec,
             ste=ste,
         )
-        content = normalized_mse(layer_output(module, self.ctx.adapter, proj, c=c_hat), y)
+        content = nmse(layer_output(module, self.ctx.adapter, proj, c=c_hat), y)
         rope = params.rope()
         layout = self._layout(layer)
         q_hat, k_hat = rope_qdq(
@@ -124,8 +113,7 @@ class QuantMLACalibration(L.LightningModule):
             proj.k_rot,
             rope.key_matrix(layout).to(proj.k_rot),
             rope.query_matrix(layout).to(proj.k_rot),
-            self.bits.rope_bits,
-            self.group_size,
+            self.spec,
             ste=ste,
         )
         return content, positional_qk_loss(q_hat, k_hat, proj.q_rot, proj.k_rot)
@@ -147,7 +135,7 @@ class QuantMLACalibration(L.LightningModule):
         record = {"step": step}
         for layer, params in enumerate(self.layers):
             sums = torch.zeros(2)
-            batches = self.ctx.heldout.split(self.heldout_batch_size)
+            batches = self.ctx.heldout.split(self.cal.batch_size)
             for index in batches:
                 sums += torch.tensor([float(v) for v in self.losses(layer, index, ste=False)])
             means = sums / len(batches)
@@ -165,7 +153,10 @@ class QuantMLACalibration(L.LightningModule):
         self.select()
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        if self.global_step % self.select_every == 0 or self.global_step == self.trainer.max_steps:
+        if (
+            self.global_step % self.cal.select_every == 0
+            or self.global_step == self.trainer.max_steps
+        ):
             self.select()
 
     def best_transforms(self) -> list[LayerTransforms]:
@@ -175,5 +166,8 @@ class QuantMLACalibration(L.LightningModule):
         rotations = [p.cayley for p in self.layers]
         others = [q for p in self.layers for q in (p.log_content_scale, p.angles, p.log_rope_scale)]
         return torch.optim.Adam(
-            [{"params": rotations, "lr": self.lr_rotation}, {"params": others, "lr": self.lr_scale}]
+            [
+                {"params": rotations, "lr": self.cal.lr_rotation},
+                {"params": others, "lr": self.cal.lr_scale},
+            ]
         )

@@ -10,53 +10,24 @@ from __future__ import annotations
 
 import torch
 
-from quantmla.quant import quantize_dequantize
-from quantmla.simulator import UNQUANTIZED_BITS, attention_output, causal_regions
+from quantmla.attention import attention_output, causal_regions
+from quantmla.evaluation.nmse import ENERGY_FLOOR
+from quantmla.spec import UNQUANTIZED_BITS, QuantizerSpec
 
-EPS = 1e-8
 
-
-def content_qdq(
-    c,
-    gamma,
-    rotation,
-    scale,
-    bits: int,
-    group_size: int = 64,
-    meta_dtype=torch.bfloat16,
-    ste: bool = False,
-) -> torch.Tensor:
+def content_qdq(c, gamma, rotation, scale, spec: QuantizerSpec, ste: bool = False) -> torch.Tensor:
     """ĉ = Q(c Γ⁻¹ R S) S⁻¹ Rᵀ Γ: the native-coordinate view of the quantized transformed cache."""
-    if bits >= UNQUANTIZED_BITS:
+    if spec.content_bits >= UNQUANTIZED_BITS:
         return c
-    z = ((c / gamma) @ rotation) * scale
-    z_hat = quantize_dequantize(z, bits, group_size, meta_dtype=meta_dtype, ste=ste)
+    z_hat = spec.qdq_content(((c / gamma) @ rotation) * scale, ste=ste)
     return ((z_hat / scale) @ rotation.transpose(-1, -2)) * gamma
 
 
-def rope_qdq(
-    q_rot,
-    k_rot,
-    key_matrix,
-    query_matrix,
-    bits: int,
-    group_size: int = 64,
-    meta_dtype=torch.float32,
-    ste: bool = False,
-):
+def rope_qdq(q_rot, k_rot, key_matrix, query_matrix, spec: QuantizerSpec, ste: bool = False):
     """(q_R M_Q, Q(k_R M_K)); matrices in the *cache* pair layout (post-RoPE)."""
-    if bits >= UNQUANTIZED_BITS:
+    if spec.rope_bits >= UNQUANTIZED_BITS:
         return q_rot, k_rot
-    k_hat = quantize_dequantize(
-        k_rot @ key_matrix, bits, group_size, meta_dtype=meta_dtype, ste=ste
-    )
-    return q_rot @ query_matrix, k_hat
-
-
-def normalized_mse(y_hat: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """mean((Ŷ − Y)²) / max(mean(Y²), 1e-8): the content objective and the attention-output NMSE."""
-    y = y.float()
-    return (y_hat.float() - y).pow(2).mean() / y.pow(2).mean().clamp_min(EPS)
+    return q_rot @ query_matrix, spec.qdq_rope(k_rot @ key_matrix, ste=ste)
 
 
 def positional_qk_loss(q_hat, k_hat, q_rot, k_rot) -> torch.Tensor:
@@ -66,7 +37,7 @@ def positional_qk_loss(q_hat, k_hat, q_rot, k_rot) -> torch.Tensor:
     teacher = torch.einsum("bhnr,btr->bhnt", q_rot.float(), k_rot.float())
     student = torch.einsum("bhnr,btr->bhnt", q_hat.float(), k_hat.float())
     err = (student - teacher).pow(2).masked_fill(~causal, 0).sum()
-    return err / teacher.pow(2).masked_fill(~causal, 0).sum().clamp_min(EPS)
+    return err / teacher.pow(2).masked_fill(~causal, 0).sum().clamp_min(ENERGY_FLOOR)
 
 
 def layer_output(module, adapter, proj, c=None, q_rot=None, k_rot=None) -> torch.Tensor:

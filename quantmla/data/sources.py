@@ -65,7 +65,7 @@ def resolve_data_dir(data_dir: str | os.PathLike | None) -> Path | None:
     path = Path(chosen).expanduser()
     if not path.is_dir():
         raise DataNotFoundError(
-            f"data.data_dir={str(path)!r} is not a folder; point data.data_dir=<folder> "
+            f"paths.data_dir={str(path)!r} is not a folder; point paths.data_dir=<folder> "
             f"(or ${DATA_DIR_ENV}) at a folder holding wikitext-2-raw-v1/ and c4-en-validation-sample/"
         )
     return path
@@ -102,7 +102,7 @@ def load_documents(
         path = root / source.local
         if not path.is_file():
             raise DataNotFoundError(
-                f"{dataset}/{split}: looked for {path} and found nothing; set data.data_dir=<folder> "
+                f"{dataset}/{split}: looked for {path} and found nothing; set paths.data_dir=<folder> "
                 f"or ${DATA_DIR_ENV} to a folder with {source.local}"
             )
         if dataset == "wikitext2":

@@ -1,4 +1,5 @@
-"""Perplexity: mean next-token NLL over every predicted token of non-overlapping windows."""
+"""Perplexity (mean next-token NLL over non-overlapping windows) and the perplexity evaluator:
+WikiText-2/C4 perplexity of the quantized cache, of the BF16 reference, and per-layer NMSE."""
 
 from __future__ import annotations
 
@@ -23,3 +24,67 @@ def perplexity(
         total += float(nll)
         count += batch[:, 1:].numel()
     return math.exp(total / count)
+
+
+def evaluate(cfg, prepared) -> dict:
+    """Perplexity per dataset (quantized, and BF16 when eval.compare_bf16) and per-layer NMSE."""
+    from quantmla.data import load_text, perplexity_windows, tokenize
+    from quantmla.evaluation.nmse import OutputNMSE
+
+    data_dir = prepared.paths.data_dir
+    model, ev = prepared.model, cfg.eval
+    windows = {
+        name: perplexity_windows(
+            tokenize(load_text(name, ev.splits[name], data_dir), prepared.tokenizer),
+            cfg.model.eval_seqlen,
+            ev.max_windows,
+        )
+        for name in ev.datasets
+    }
+    metrics: dict = {f"windows/{name}": int(w.shape[0]) for name, w in windows.items()}
+
+    def measure(prefix: str, label: str) -> None:
+        for name, w in windows.items():
+            metrics[f"{prefix}ppl/{name}"] = perplexity(model, w, ev.batch_size, f"{label} {name}")
+
+    reference = None
+    with prepared.unquantized():
+        if ev.compare_bf16:
+            measure("bf16/", "bf16")
+        if ev.nmse_windows and ev.datasets:
+            first = windows[ev.datasets[0]][: ev.nmse_windows]
+            reference = OutputNMSE.capture(model, prepared.modules, first)
+    measure("", f"{cfg.precision.name} {cfg.method.name}")
+    if reference is not None:
+        per_layer = reference.measure(prepared.modules)
+        metrics["nmse/attn_layers"] = per_layer
+        metrics["nmse/attn_mean"] = sum(per_layer) / len(per_layer)
+    return metrics
+
+
+def format_table(record: dict) -> str:
+    """Markdown table: the BF16 reference (if measured) and the job's precision × method."""
+    cfg, metrics = record["config"], record["metrics"]
+    datasets = cfg["eval"]["datasets"]
+    rows = []
+    if any(k.startswith("bf16/") for k in metrics):
+        rows.append(("bf16", "—", [metrics.get(f"bf16/ppl/{d}") for d in datasets], None))
+    quantized = [metrics.get(f"ppl/{d}") for d in datasets]
+    rows.append(
+        (cfg["precision"]["name"], cfg["method"]["name"], quantized, metrics.get("nmse/attn_mean"))
+    )
+    lines = [
+        "| precision | method | " + " | ".join(f"ppl/{d}" for d in datasets) + " | attn NMSE |",
+        "|" + "---|" * (3 + len(datasets)),
+    ]
+    for precision, method, ppls, nmse in rows:
+        cells = ["—" if v is None else f"{v:.3f}" for v in ppls]
+        cells.append("—" if nmse is None else f"{nmse:.3e}")
+        lines.append(f"| {precision} | {method} | " + " | ".join(cells) + " |")
+    max_windows = cfg["eval"].get("max_windows")
+    if max_windows:
+        lines.append(
+            f"(preview: the first {max_windows} windows per dataset; the full evaluation behind the "
+            "README's numbers: `python -m quantmla.run eval=perplexity`)"
+        )
+    return "\n".join(lines)

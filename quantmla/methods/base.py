@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -13,6 +14,8 @@ from torch import nn
 
 from quantmla.errors import QuantMLAError
 from quantmla.models.adapters import MLAAdapter
+from quantmla.simulator import layer_patch
+from quantmla.spec import QuantizerSpec
 from quantmla.transforms import (
     ContentTransform,
     LayerTransforms,
@@ -22,9 +25,26 @@ from quantmla.transforms import (
     hadamard,
 )
 
+if TYPE_CHECKING:
+    from quantmla.calibration.context import CalibrationContext
+    from quantmla.config import CalibrationConfig
+
 
 class ArtifactMismatchError(QuantMLAError):
     """A saved transform artifact was made for another model, precision, quantizer or method."""
+
+
+@dataclass
+class MethodJob:
+    """What a method is given: the model's MLA modules, the quantizer spec, and for calibrated
+    methods their calibration settings and the captured BF16 teacher."""
+
+    modules: list[nn.Module]
+    spec: QuantizerSpec
+    calibration: CalibrationConfig | None = None
+    context: CalibrationContext | None = None
+    seed: int = 0
+    log_dir: Path | None = None  # per-layer calibration curves (CSV) go here
 
 
 @dataclass
@@ -42,22 +62,22 @@ class MethodResult:
 
 @torch.no_grad()
 def apply_method(model: nn.Module, adapter: MLAAdapter, result: MethodResult) -> None:
-    """Fuse every layer's transforms into its weights; install the online RoPE matrix if any."""
+    """Fuse every layer's transforms into its weights; hand the online RoPE matrix, if any, to the
+    layer's patch (the model must be patched)."""
     modules = adapter.attention_modules(model)
     if len(modules) != len(result.layers):
         raise ArtifactMismatchError(
             f"artifact has {len(result.layers)} layers, the model {len(modules)}"
         )
-    for module, layer in zip(modules, result.layers):
+    patches = [layer_patch(m) for m in modules] if result.rope_online else [None] * len(modules)
+    for module, layer, patch in zip(modules, result.layers, patches):
         if layer.content is not None:
             fuse_content(module, adapter, layer.content)
         if layer.rope is not None:
             fuse_rope(module, adapter, layer.rope)
         if result.rope_online == "hadamard":
-            h = hadamard(module.qk_rope_head_dim).to(module.o_proj.weight.device)
-            module.register_buffer(
-                "quantmla_rope_online", h.to(module.o_proj.weight.dtype), persistent=False
-            )
+            h = hadamard(module.qk_rope_head_dim)
+            patch.rope_online = h.to(module.o_proj.weight)
 
 
 def save_artifact(result: MethodResult, path: str | Path) -> None:

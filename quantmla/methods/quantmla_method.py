@@ -1,5 +1,6 @@
-"""QuantMLA (SPEC §4): α-searched initial scales (α = 0 included, ties → 0), then one Lightning fit
-of every layer's content and RoPE transforms, best held-out checkpoint per layer and path."""
+"""QuantMLA (SPEC §4): α-searched initial scales (the configured α list; conf/method/quantmla.yaml
+includes α = 0, ties → smaller α), then one Lightning fit of every layer's content and RoPE
+transforms, best held-out checkpoint per layer and path."""
 
 from __future__ import annotations
 
@@ -7,53 +8,36 @@ import time
 
 import lightning as L
 import torch
+from lightning.pytorch.loggers import CSVLogger
 
-from quantmla.calibration.context import CalibrationContext
 from quantmla.calibration.module import QuantMLACalibration
-from quantmla.methods.base import MethodResult
-from quantmla.methods.smoothquant import SMOOTHQUANT_ALPHAS, alpha_search
-from quantmla.simulator import CachePrecision
-
-QUANTMLA_ALPHAS = (0.0, *SMOOTHQUANT_ALPHAS)
+from quantmla.methods.base import MethodJob, MethodResult
+from quantmla.methods.smoothquant import alpha_search
 
 
-def quantmla(
-    ctx: CalibrationContext,
-    bits: CachePrecision,
-    steps: int = 300,
-    batch_size: int = 4,
-    lr_rotation: float = 1e-3,
-    lr_scale: float = 1e-2,
-    select_every: int = 25,
-    group_size: int = 64,
-    seed: int = 0,
-    alphas=QUANTMLA_ALPHAS,
-    logger=False,
-) -> MethodResult:
+def quantmla(job: MethodJob) -> MethodResult:
+    ctx, cal = job.context, job.calibration
     started = time.time()
-    init, init_report = alpha_search(
-        ctx, bits, alphas, group_size=group_size, batch_size=batch_size
-    )
+    init, init_report = alpha_search(ctx, job.spec, cal.alphas, cal.batch_size)
     searched = time.time()
-    L.seed_everything(seed, verbose=False)
+    L.seed_everything(job.seed, verbose=False)
     for p in ctx.model.parameters():
         p.requires_grad_(False)
-    module = QuantMLACalibration(
-        ctx, init, bits, group_size, lr_rotation, lr_scale, batch_size, select_every
-    )
+    module = QuantMLACalibration(ctx, init, job.spec, cal)
     loader = torch.utils.data.DataLoader(
         ctx.calibration,
-        batch_size=batch_size,
+        batch_size=cal.batch_size,
         shuffle=True,
         drop_last=True,
-        generator=torch.Generator().manual_seed(seed),
+        generator=torch.Generator().manual_seed(job.seed),
     )
     device = ctx.device
     trainer = L.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
         devices=[device.index or 0] if device.type == "cuda" else 1,
-        max_steps=steps,
-        logger=logger,
+        max_steps=cal.steps,
+        # per-layer training and held-out losses as CSV (also mirrored to W&B by the run)
+        logger=CSVLogger(job.log_dir.parent, name=job.log_dir.name) if job.log_dir else False,
         enable_checkpointing=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import torch
 
-from quantmla.methods.base import MethodResult
+from quantmla.methods.base import MethodJob, MethodResult
 from quantmla.transforms import ContentTransform, LayerTransforms, hadamard
 
 
-def quarot(modules) -> MethodResult:
+def quarot(job: MethodJob) -> MethodResult:
     layers = [
         LayerTransforms(
             ContentTransform(
                 hadamard(m.kv_lora_rank), torch.ones(m.kv_lora_rank, dtype=torch.float64)
             )
         )
-        for m in modules
+        for m in job.modules
     ]
     return MethodResult("quarot", layers, rope_online="hadamard")

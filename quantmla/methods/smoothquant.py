@@ -12,11 +12,10 @@ import torch
 
 from quantmla.calibration.context import CalibrationContext
 from quantmla.calibration.objectives import content_qdq, layer_output, rope_qdq
-from quantmla.methods.base import MethodResult
-from quantmla.simulator import CachePrecision
+from quantmla.evaluation.nmse import RunningNMSE
+from quantmla.methods.base import MethodJob, MethodResult
+from quantmla.spec import QuantizerSpec
 from quantmla.transforms import ContentTransform, LayerTransforms, RopeTransform
-
-SMOOTHQUANT_ALPHAS = (0.125, 0.25, 0.5, 0.75, 1.0)
 
 
 def scales_from_statistics(stat: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -29,33 +28,32 @@ def scales_from_statistics(stat: torch.Tensor, alpha: float) -> torch.Tensor:
 def heldout_output_nmse(
     ctx: CalibrationContext,
     layer: int,
-    bits: CachePrecision,
+    spec: QuantizerSpec,
     content=None,
     rope=None,
-    group_size: int = 64,
     batch_size: int = 4,
 ) -> float:
-    """Held-out attention-output NMSE (Σ over all held-out tokens) with the given path(s) quantized."""
+    """Held-out attention-output NMSE (over all held-out tokens) with the given path(s) quantized."""
     gamma = ctx.gamma(layer)
     layout = ctx.adapter.geometry(ctx.modules[layer]).cache_pairs
-    err = energy = 0.0
+    total = RunningNMSE()
     for index in ctx.heldout.split(batch_size):
         proj, y = ctx.project(layer, index)
         c, q_rot, k_rot = proj.c, proj.q_rot, proj.k_rot
         if content is not None:
             r, s = content.rotation.to(c), content.scale.to(c)
-            c = content_qdq(c, gamma, r, s, bits.content_bits, group_size)
+            c = content_qdq(c, gamma, r, s, spec)
         if rope is not None:
             km, qm = rope.key_matrix(layout).to(k_rot), rope.query_matrix(layout).to(k_rot)
-            q_rot, k_rot = rope_qdq(q_rot, k_rot, km, qm, bits.rope_bits, group_size)
-        y_hat = layer_output(ctx.modules[layer], ctx.adapter, proj, c=c, q_rot=q_rot, k_rot=k_rot)
-        err += float((y_hat.float() - y.float()).pow(2).sum())
-        energy += float(y.float().pow(2).sum())
-    return err / max(energy, 1e-8)
+            q_rot, k_rot = rope_qdq(q_rot, k_rot, km, qm, spec)
+        total.add(
+            layer_output(ctx.modules[layer], ctx.adapter, proj, c=c, q_rot=q_rot, k_rot=k_rot), y
+        )
+    return total.value
 
 
 def alpha_search(
-    ctx: CalibrationContext, bits: CachePrecision, alphas, group_size: int = 64, batch_size: int = 4
+    ctx: CalibrationContext, spec: QuantizerSpec, alphas, batch_size: int = 4
 ) -> tuple[list[LayerTransforms], dict]:
     """Per layer and path, the α whose scales give the lowest held-out output NMSE (ties → smaller α)."""
     layers, report = [], {"alpha": [], "heldout_nmse": []}
@@ -69,14 +67,10 @@ def alpha_search(
                     t = ContentTransform(
                         torch.eye(module.kv_lora_rank, dtype=torch.float64), scales
                     )
-                    loss = heldout_output_nmse(
-                        ctx, layer, bits, content=t, group_size=group_size, batch_size=batch_size
-                    )
+                    loss = heldout_output_nmse(ctx, layer, spec, content=t, batch_size=batch_size)
                 else:
                     t = RopeTransform(torch.zeros_like(scales), scales)
-                    loss = heldout_output_nmse(
-                        ctx, layer, bits, rope=t, group_size=group_size, batch_size=batch_size
-                    )
+                    loss = heldout_output_nmse(ctx, layer, spec, rope=t, batch_size=batch_size)
                 if path not in best or loss < best[path][0]:
                     best[path] = (loss, alpha, t)
         layers.append(LayerTransforms(best["content"][2], best["rope"][2]))
@@ -85,8 +79,7 @@ def alpha_search(
     return layers, report
 
 
-def smoothquant(
-    ctx: CalibrationContext, bits: CachePrecision, alphas=SMOOTHQUANT_ALPHAS, **kw
-) -> MethodResult:
-    layers, report = alpha_search(ctx, bits, alphas, **kw)
+def smoothquant(job: MethodJob) -> MethodResult:
+    cal = job.calibration
+    layers, report = alpha_search(job.context, job.spec, cal.alphas, cal.batch_size)
     return MethodResult("smoothquant", layers, report=report)

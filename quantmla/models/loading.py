@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
-from quantmla.errors import ConfigError, DataNotFoundError
+from quantmla.errors import ConfigError
 from quantmla.models.adapters import ADAPTERS, MODEL_TYPE_ALIASES
+from quantmla.paths import local_config_json
 
 # Published model_types with no transformers class, mapped onto the family that runs their MLA.
 # longcat_flash_ngram: LongCat-Flash-Lite's n-gram embedding front end has no class here; its
@@ -32,6 +33,16 @@ def config_from_dict(raw: dict):
             "model_type", raw.get("model_type"), sorted(ADAPTERS) + sorted(MODEL_TYPE_ALIASES)
         )
     return AutoConfig.for_model(model_type, **fields)
+
+
+def config_from_file(path: str | os.PathLike):
+    return config_from_dict(json.loads(Path(path).read_text()))
+
+
+def checkpoint_config(path_or_id: str):
+    """The transformers config of a local checkpoint folder, None for a hub id."""
+    found = local_config_json(path_or_id)
+    return config_from_file(found) if found is not None else None
 
 
 def shrink_config(
@@ -86,7 +97,7 @@ def random_model_from_config_file(
     """
     from transformers import AutoModelForCausalLM
 
-    config = shrink_config(config_from_dict(json.loads(Path(path).read_text())), **shrink)
+    config = shrink_config(config_from_file(path), **shrink)
     torch.manual_seed(seed)
     extra = {"experts_implementation": experts_implementation} if experts_implementation else {}
     return AutoModelForCausalLM.from_config(config, dtype=config.dtype, **extra).eval()
@@ -99,14 +110,7 @@ def load_pretrained(
     `device="auto"` shards the model over every visible GPU (device_map="auto")."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    local = Path(path_or_id).expanduser()
-    looks_local = path_or_id.startswith((".", "/", "~")) or local.exists()
-    if looks_local and not (local / "config.json").is_file():
-        raise DataNotFoundError(
-            f"model.path={path_or_id!r}: no config.json there; set model.path to a checkpoint folder or a hub id"
-        )
-    raw = json.loads((local / "config.json").read_text()) if looks_local else None
-    config = config_from_dict(raw) if raw is not None else None
+    config = checkpoint_config(path_or_id)
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
     placement = {"device_map": "auto"} if device == "auto" else {}  # "auto": shard over all GPUs
     model = AutoModelForCausalLM.from_pretrained(

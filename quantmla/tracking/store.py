@@ -15,21 +15,14 @@ import platform
 import subprocess
 import tempfile
 import time
+import warnings
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 # Config keys (dotted paths) that never change a result: where things are written or read from,
 # logging, and re-run control. The experiment name is part of the record's path instead.
-NON_RESULT_KEYS = (
-    "results_dir",
-    "force",
-    "threads",
-    "logger",
-    "hydra",
-    "experiment_name",
-    "data.data_dir",
-)
+NON_RESULT_KEYS = ("paths", "force", "threads", "logger", "hydra", "experiment_name")
 TRACKED_PACKAGES = (
     "torch",
     "transformers",
@@ -105,10 +98,14 @@ def machine() -> dict[str, Any]:
 
 
 def write_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write JSON to a temporary file in the same folder, fsync, then rename over `path`."""
+    """Write JSON to a temporary file in the same folder, fsync, then rename over `path`.
+
+    The record gets the usual umask-respecting mode (mkstemp's 0600 would hide it from the other
+    users of a shared results folder)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".result-", suffix=".tmp")
     try:
+        os.chmod(tmp, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as f:
             json.dump(payload, f, indent=2, sort_keys=True, default=str)
             f.flush()
@@ -139,13 +136,48 @@ def make_record(
     }
 
 
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
+
+
+class CorruptRecordWarning(UserWarning):
+    """A result.json that does not parse; it was skipped (and, for a job's own record, moved aside)."""
+
+
+def _parse(path: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        warnings.warn(
+            f"{path}: not a valid record ({err}); skipped", CorruptRecordWarning, stacklevel=3
+        )
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def load_record(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.is_file() else None
+    """The job's record, or None. A record that does not parse is moved aside (never deleted) to
+    `result.json.corrupt-<time>` with one line naming both files, so its job is recomputed."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+        os.replace(path, aside)
+        print(
+            f"[quantmla] {path} is not a valid record: moved to {aside.name}; recomputing its job"
+        )
+        return None
 
 
 def load_records(
     results_dir: str | os.PathLike, experiment: str | None = None
 ) -> list[dict[str, Any]]:
-    """Every record under the store (or one experiment of it)."""
+    """Every record under the store (or one experiment of it); a corrupt one is skipped with a
+    `CorruptRecordWarning` naming it."""
     root = Path(results_dir) / (experiment or "")
-    return [json.loads(p.read_text()) for p in sorted(root.glob("**/result.json"))]
+    parsed = (_parse(p) for p in sorted(root.glob("**/result.json")))
+    return [r for r in parsed if r is not None]

@@ -6,6 +6,7 @@ never read back from offline files; online users can rebuild tables from the W&B
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 
@@ -39,6 +40,7 @@ def mirror(record: dict[str, Any], logger_cfg, directory: str | None = None) -> 
         mode=os.environ.get("WANDB_MODE", logger_cfg.mode),
         dir=directory,
         reinit="finish_previous",
+        settings=wandb.Settings(silent=True),  # one line below instead of W&B's ~25
     )
     run.log(_scalars(metrics))
     layers = metrics.get("nmse/attn_layers")
@@ -57,8 +59,13 @@ def mirror(record: dict[str, Any], logger_cfg, directory: str | None = None) -> 
             | {"calibration/step": row["step"]}
         )
     run.summary.update(_scalars(metrics))
-    run_id = run.id
+    run_id, offline, url = run.id, run.settings._offline, run.url
+    run_dir = Path(run.dir).parent
     run.finish()
+    if offline:
+        print(f"[quantmla] W&B offline run {run_dir} (send it: wandb sync {run_dir})")
+    else:
+        print(f"[quantmla] W&B run {url}")
     return run_id
 
 

@@ -1,0 +1,82 @@
+"""`prepare_method` returns a `MethodResult` (or None for RTN). For calibrated methods it hashes the
+calibration token ids, looks for a saved artifact with matching metadata (model, precision,
+quantizer, method, seed, calibration data) and loads it; only when there is none does it capture
+the BF16 teacher and calibrate. `apply_method` fuses the result. Calibration always sees the
+unquantized, unfused model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from quantmla.calibration.capture import capture_inputs
+from quantmla.calibration.context import CalibrationContext
+from quantmla.data import calibration_split, load_text, tokenize
+from quantmla.methods.base import ArtifactMismatchError, MethodJob, load_artifact, save_artifact
+from quantmla.methods.registry import METHODS
+from quantmla.spec import QuantizerSpec
+from quantmla.tracking.store import stable_hash
+
+
+def _tensor_sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def calibration_sequences(cfg, paths, tokenizer) -> tuple[torch.Tensor, int]:
+    """(calibration + held-out token windows, number of calibration windows), seeded (SPEC §4)."""
+    cal = cfg.method.calibration
+    ids = tokenize(load_text(cal.dataset, cal.split, paths.data_dir), tokenizer)
+    split = calibration_split(
+        ids, cal.n_calibration, cal.n_heldout, cal.seqlen or cfg.model.eval_seqlen, cfg.seed
+    )
+    return torch.cat([split.calibration, split.heldout]), split.calibration.shape[0]
+
+
+def artifact_metadata(cfg, model, spec: QuantizerSpec, data_hash: str) -> dict[str, str]:
+    return {
+        "model": cfg.model.path,
+        "model_config_hash": stable_hash(model.config.to_dict(), 16),
+        "precision": spec.precision,
+        "quantizer": spec.key,
+        "method": cfg.method.name,
+        "seed": str(cfg.seed),
+        "calibration_data": data_hash,
+    }
+
+
+def prepare_method(cfg, paths, model, adapter, tokenizer, spec: QuantizerSpec):
+    """The run's method result: None (RTN), fixed (QuaRot†) or loaded/calibrated (SmoothQuant†, QuantMLA)."""
+    method = METHODS[cfg.method.name]
+    modules = adapter.attention_modules(model)
+    if not method.calibrated:
+        return method.build(MethodJob(modules, spec, seed=cfg.seed))
+    cal = cfg.method.calibration
+    sequences, n_calibration = calibration_sequences(cfg, paths, tokenizer)
+    expected = artifact_metadata(cfg, model, spec, _tensor_sha(sequences))
+    if cfg.method.artifact:  # given by the user: always loaded, never overwritten
+        path = paths.resolve(cfg.method.artifact)
+        if not path.is_file():
+            raise ArtifactMismatchError(f"method.artifact={cfg.method.artifact!r} does not exist")
+        print(f"[quantmla] loading {method.name} artifact {path}")
+        return load_artifact(path, expected)
+    path = paths.artifacts_dir / method.name / f"{stable_hash(expected, 16)}.safetensors"
+    if path.is_file() and not cfg.force:
+        print(f"[quantmla] loading {method.name} artifact {path}")
+        return load_artifact(path, expected)
+    store = capture_inputs(model, modules, sequences, cal.capture_batch_size, cal.store_dir)
+    ctx = CalibrationContext(
+        model,
+        adapter,
+        modules,
+        store,
+        torch.arange(n_calibration),
+        torch.arange(n_calibration, sequences.shape[0]),
+    )
+    job = MethodJob(modules, spec, cal, ctx, cfg.seed, log_dir=path.parent / "logs" / path.stem)
+    result = method.build(job)
+    result.metadata = expected
+    save_artifact(result, path)
+    print(f"[quantmla] saved {method.name} artifact {path}")
+    return result

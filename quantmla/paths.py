@@ -1,0 +1,70 @@
+"""Every root the project reads or writes (the `paths` config group), resolved in one place.
+
+Relative paths resolve against `paths.root`: by default the repository root of a source checkout
+(so `assets/tiny-mla` and `../shared/data` work from any working directory), else the working
+directory."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from quantmla.errors import DataNotFoundError
+
+
+def repo_root() -> Path | None:
+    """The source checkout holding this package (it has `conf/` beside `quantmla/`), else None."""
+    candidate = Path(__file__).resolve().parents[1]
+    return candidate if (candidate / "conf").is_dir() else None
+
+
+@dataclass(frozen=True)
+class Paths:
+    root: Path
+    data_dir: Path | None  # None: the hub (or $QUANTMLA_DATA_DIR, see quantmla.data)
+    results_dir: Path
+    artifacts_dir: Path
+    checkpoints_dir: Path
+
+    @classmethod
+    def from_config(cls, cfg) -> Paths:
+        root = Path(cfg.root).expanduser() if cfg.root else (repo_root() or Path.cwd())
+
+        def under(p, base=root):
+            p = Path(os.path.expanduser(str(p)))
+            return p if p.is_absolute() else base / p
+
+        results = under(cfg.results_dir)
+        return cls(
+            root=root,
+            data_dir=under(cfg.data_dir) if cfg.data_dir else None,
+            results_dir=results,
+            artifacts_dir=under(cfg.artifacts_dir) if cfg.artifacts_dir else results / "artifacts",
+            checkpoints_dir=under(cfg.checkpoints_dir) if cfg.checkpoints_dir else root,
+        )
+
+    def resolve(self, path: str | os.PathLike) -> Path:
+        p = Path(os.path.expanduser(str(path)))
+        return p if p.is_absolute() else self.root / p
+
+    def checkpoint(self, model_path: str) -> str:
+        """A local checkpoint folder (absolute, or relative to checkpoints_dir) or the hub id as given."""
+        p = Path(os.path.expanduser(model_path))
+        if p.is_absolute() or model_path.startswith("."):
+            return str(self.resolve(p))
+        local = self.checkpoints_dir / p
+        return str(local) if local.exists() else model_path
+
+
+def local_config_json(path_or_id: str) -> Path | None:
+    """config.json of a local checkpoint folder, None for a hub id. A path that looks local but
+    holds no config.json stops with one line: the only checkpoint-path check."""
+    local = Path(path_or_id).expanduser()
+    if not (path_or_id.startswith((".", "/", "~")) or local.exists()):
+        return None
+    if not (local / "config.json").is_file():
+        raise DataNotFoundError(
+            f"model.path={path_or_id!r}: no config.json there; set model.path to a checkpoint folder or a hub id"
+        )
+    return local / "config.json"

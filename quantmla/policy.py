@@ -1,0 +1,47 @@
+"""How a layer reads its latent cache: the quantizer spec, the BF16 protection window and the form."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from quantmla.errors import ConfigError
+from quantmla.spec import QuantizerSpec
+
+FORMS = ("auto", "expanded", "absorbed")
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """Precision, protection (first `sink` and last `recent` tokens read unquantized), attention form.
+
+    Validated on construction; `spec` is the quantizer spec the cache's codes follow."""
+
+    precision: str = "bf16"  # 'bf16' or 'c<x>r<y>'
+    sink: int = 4
+    recent: int = 128
+    group_size: int = 64
+    form: str = "auto"  # auto | expanded | absorbed
+    content_meta_dtype: str = "bfloat16"
+    rope_meta_dtype: str = "float32"
+    check_finite: bool = True
+
+    def __post_init__(self):
+        self.spec  # noqa: B018  (validates precision, group size, metadata dtypes)
+        for name in ("sink", "recent"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(name, value, "an integer >= 0")
+        if self.form not in FORMS:
+            raise ConfigError("form", self.form, FORMS)
+
+    @property
+    def spec(self) -> QuantizerSpec:
+        return QuantizerSpec.from_precision(
+            self.precision,
+            group_size=self.group_size,
+            content_meta_dtype=self.content_meta_dtype,
+            rope_meta_dtype=self.rope_meta_dtype,
+        )
+
+    def check_dims(self, d_c: int, d_r: int) -> None:
+        self.spec.check_dims(d_c, d_r)

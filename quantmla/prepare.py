@@ -1,0 +1,92 @@
+"""The one prepare step every evaluator starts from: load → patch (BF16) → method (load its
+artifact or calibrate) → fuse + equivalence check → the run's cache policy."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from quantmla.paths import Paths
+from quantmla.policy import CachePolicy
+
+
+@dataclass
+class Prepared:
+    """What an evaluator gets. `model` is None for analytic evaluators (the config is enough)."""
+
+    model_config: object  # transformers config
+    policy: CachePolicy
+    paths: Paths
+    model: nn.Module | None = None
+    tokenizer: object = None
+    adapter: object = None
+    modules: list[nn.Module] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)  # method/* and equivalence/* for the record
+
+    @contextmanager
+    def unquantized(self):
+        """Quantization off (the BF16 reference); fused transforms stay, they are exact."""
+        from quantmla.simulator import set_policy
+
+        set_policy(self.model, precision="bf16")
+        try:
+            yield self
+        finally:
+            set_policy(self.model, precision=self.policy.precision)
+
+
+def run_policy(cfg) -> CachePolicy:
+    p = cfg.precision
+    return CachePolicy(p.name, p.sink, p.recent, p.group_size)
+
+
+def equivalence_sequences(cfg, paths, tokenizer, n: int = 2):
+    """The first `n` WikiText-2 valid windows: the fusion-equivalence probe's inputs."""
+    from quantmla.data import load_text, perplexity_windows, tokenize
+
+    ids = tokenize(load_text("wikitext2", "valid", paths.data_dir), tokenizer)
+    return perplexity_windows(ids, cfg.model.eval_seqlen, n)
+
+
+def prepare(cfg, paths, load_model: bool = True) -> Prepared:
+    from quantmla.config import model_config_without_weights
+
+    policy = run_policy(cfg)
+    if not load_model:
+        return Prepared(model_config_without_weights(cfg, paths), policy, paths)
+
+    from quantmla.methods.base import apply_method
+    from quantmla.methods.equivalence import EquivalenceProbe
+    from quantmla.methods.prepare import prepare_method
+    from quantmla.models.adapters import get_adapter
+    from quantmla.models.loading import load_pretrained
+    from quantmla.simulator import patch_model, set_policy
+
+    model, tokenizer = load_pretrained(
+        paths.checkpoint(cfg.model.path),
+        cfg.model.dtype,
+        cfg.model.trust_remote_code,
+        cfg.model.device,
+    )
+    adapter = get_adapter(model.config)
+    modules = adapter.attention_modules(model)
+    patch_model(model, "bf16", sink=policy.sink, recent=policy.recent, group_size=policy.group_size)
+    prepared = Prepared(model.config, policy, paths, model, tokenizer, adapter, modules)
+
+    started = time.time()
+    result = prepare_method(cfg, paths, model, adapter, tokenizer, policy.spec)
+    prepared.metrics["method/seconds"] = time.time() - started
+    if result is not None:
+        probe = EquivalenceProbe(equivalence_sequences(cfg, paths, tokenizer))
+        probe.capture(model, modules)
+        apply_method(model, adapter, result)
+        prepared.metrics.update(
+            {f"equivalence/{k}": v for k, v in probe.check(model, modules).items()}
+        )
+        if result.report:
+            prepared.metrics["method/report"] = result.report
+    set_policy(model, precision=policy.precision)
+    return prepared
