@@ -1,5 +1,5 @@
-# make setup run   — fresh machine: create .venv, install everything, run the default experiment
-# make test        — the test suite (what CI runs, after `ruff`)
+# make setup run   — fresh machine: create .venv, install everything, run the default job (a ~1 min preview)
+# make test        — the test suite (what CI runs, after `ruff`); make test-full adds the `slow` tests
 PY ?= .venv/bin/python
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
@@ -43,4 +43,5 @@ tables:
 	$(PY) -m analysis.tables tiny_table1
 
 figures:
+	$(PY) -m quantmla.run experiment=fig5a_memory logger=none
 	$(PY) -m analysis.figures fig5a

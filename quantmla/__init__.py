@@ -1,10 +1,6 @@
-"""QuantMLA: function-aligned dual-path quantization for low-bit MLA KV caching.
+"""QuantMLA: function-aligned dual-path quantization for low-bit MLA KV caching."""
 
-The public names are imported lazily, so `python -m quantmla.run --help` does not import torch."""
-
-from __future__ import annotations
-
-import importlib
+from quantmla._lazy import lazy_getattr
 
 _EXPORTS = {
     "CachePolicy": "quantmla.policy",
@@ -15,9 +11,4 @@ _EXPORTS = {
     "unpatch_model": "quantmla.simulator",
 }
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'quantmla' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

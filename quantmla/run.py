@@ -159,7 +159,9 @@ def main() -> None:
 
         import quantmla.config  # noqa: F401  (registers the structured-config schema)
 
-        @hydra.main(version_base=None, config_path="../conf", config_name="config")
+        conf = Path(__file__).resolve().parents[1] / "conf"
+
+        @hydra.main(version_base=None, config_path=str(conf), config_name="config")
         def app(cfg) -> None:
             from omegaconf import OmegaConf
 

@@ -34,7 +34,7 @@ class LayerPatch:
     adapter: MLAAdapter
     geometry: MLAGeometry
     policy: CachePolicy
-    original_forward: object
+    original_forward: object  # an instance-level forward that was there before, else None
     rope_online: torch.Tensor | None = None
 
 
@@ -145,7 +145,7 @@ def patch_model(
         if existing is not None:
             existing.policy, existing.geometry = policy, geometry
             continue
-        patch = LayerPatch(adapter, geometry, policy, module.forward)
+        patch = LayerPatch(adapter, geometry, policy, module.__dict__.get("forward"))
         setattr(module, PATCH_ATTRIBUTE, patch)
         module.forward = types.MethodType(_bound_forward(patch), module)
     return model
@@ -184,6 +184,10 @@ def patched_modules(model: nn.Module) -> list[nn.Module]:
 def unpatch_model(model: nn.Module) -> nn.Module:
     """Restore the original forwards and drop every piece of patch state (QuaRot†'s matrix included)."""
     for module in patched_modules(model):
-        module.forward = layer_patch(module).original_forward
+        original = layer_patch(module).original_forward
+        if original is None:
+            del module.forward  # the class's own forward again
+        else:
+            module.forward = original
         delattr(module, PATCH_ATTRIBUTE)
     return model

@@ -22,6 +22,51 @@ TINY_MLA = REPO / "assets" / "tiny-mla"
 torch.set_num_threads(2)
 
 
+def pytest_collection_modifyitems(config, items):
+    """`gpu`-marked tests run only where CUDA is available."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def compose_run(*overrides, hydra: bool = False):
+    """The composed app config (as `python -m quantmla.run` builds it) for `overrides`."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        return compose("config", overrides=list(overrides), return_hydra_config=hydra)
+
+
+def run_config(*overrides):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(compose_run(*overrides))
+
+
+def tiny_job(tmp_path, *overrides):
+    """Overrides for the smallest real job on the tiny model: 1 WikiText-2 window, no W&B."""
+    return [
+        f"paths.results_dir={tmp_path}",
+        f"paths.data_dir={DATA_DIR}",
+        "eval=perplexity",
+        "eval.max_windows=1",
+        "eval.datasets=[wikitext2]",
+        "eval.nmse_windows=0",
+        "eval.compare_bf16=false",
+        "logger=none",
+        *overrides,
+    ]
+
+
+needs_tiny = pytest.mark.skipif(
+    not (TINY_MLA / "config.json").is_file() or not DATA_DIR.is_dir(),
+    reason="needs the tiny model and shared data",
+)
+
+
 @pytest.fixture
 def data_dir():
     if not DATA_DIR.is_dir():

@@ -11,8 +11,8 @@ from quantmla.data import load_text
 from quantmla.errors import QuantMLAError
 from quantmla.models.adapters import get_adapter
 from quantmla.models.loading import config_from_dict, load_pretrained
-from quantmla.quant import quantize_dequantize
 from quantmla.policy import CachePolicy
+from quantmla.quant import quantize_dequantize
 from quantmla.simulator import patch_model
 from quantmla.spec import parse_precision
 from tests.conftest import MODEL_CONFIGS

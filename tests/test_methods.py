@@ -8,12 +8,12 @@ from quantmla import patch_model, set_policy
 from quantmla.calibration.capture import capture_inputs
 from quantmla.calibration.context import CalibrationContext
 from quantmla.calibration.module import QuantMLACalibration
-from quantmla.methods.base import apply_method
 from quantmla.config import CalibrationConfig
 from quantmla.methods.base import (
     ArtifactMismatchError,
     MethodJob,
     MethodResult,
+    apply_method,
     load_artifact,
     save_artifact,
 )

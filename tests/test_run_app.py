@@ -1,54 +1,31 @@
-"""The Hydra app end to end on the tiny model: composes, evaluates, records, skips when done."""
+"""The Hydra app end to end on the tiny model: every config option composes, jobs run, record, skip."""
 
 import json
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from quantmla.run import run
-from tests.conftest import DATA_DIR, REPO, TINY_MLA
+from tests.conftest import REPO, compose_run, needs_tiny, run_config, tiny_job
 
-CONF = str(REPO / "conf")
-
-
-def compose_run(*overrides):
-    with initialize_config_dir(config_dir=CONF, version_base=None):
-        return OmegaConf.to_object(compose("config", overrides=list(overrides)))
-
-
-@pytest.mark.parametrize(
-    "group,options",
-    [
-        (
-            "model",
-            [
-                "tiny_mla",
-                "deepseek_v2_lite",
-                "moonlight_16b_a3b",
-                "deepseek_v3_base",
-                "deepseek_r1",
-                "kimi_k2_instruct",
-                "longcat_flash_lite",
-                "glm_4_7_flash",
-            ],
-        ),
-        ("precision", ["bf16", "c4r4", "c2r4", "c4r16", "c8r8"]),
-    ],
-)
-def test_every_group_option_composes(group, options):
-    for option in options:
-        cfg = compose_run(f"{group}={option}")
-        assert getattr(cfg, group).name == option
+GROUPS = sorted(p.name for p in (REPO / "conf").iterdir() if p.is_dir() and any(p.glob("*.yaml")))
+OPTIONS = [
+    (group, p.stem)
+    for group in GROUPS
+    for p in sorted((REPO / "conf" / group).glob("*.yaml"))
+    if group not in ("experiment", "local")
+]
 
 
-@pytest.mark.skipif(
-    not (TINY_MLA / "config.json").is_file() or not DATA_DIR.is_dir(),
-    reason="needs tiny model + data",
-)
+@pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_group_option_composes(group, option):
+    cfg = compose_run(f"{group}={option}")
+    assert group in cfg
+
+
+@needs_tiny
 def test_default_run_writes_a_record_and_resumes(tmp_path, capsys):
-    overrides = [f"paths.results_dir={tmp_path}", "eval.max_windows=2", f"paths.data_dir={DATA_DIR}"]
-    record = run(compose_run(*overrides))
+    overrides = [f"paths.results_dir={tmp_path}", "eval.max_windows=2", "logger=none"]
+    record = run(run_config(*overrides))
     path = next(tmp_path.glob("default/*/result.json"))
     stored = json.loads(path.read_text())
     assert stored == json.loads(json.dumps(record, default=str))
@@ -58,6 +35,20 @@ def test_default_run_writes_a_record_and_resumes(tmp_path, capsys):
         metrics["ppl/wikitext2"] >= metrics["bf16/ppl/wikitext2"] * 0.999
         and metrics["windows/wikitext2"] == 2
     )
-    assert "| c4r4 | rtn |" in capsys.readouterr().out
-    again = run(compose_run(*overrides))  # same config: skipped, the record is returned unchanged
+    out = capsys.readouterr().out
+    assert (
+        "| c4r4 | rtn |" in out and "eval=perplexity" in out
+    )  # preview says how to run the full one
+    again = run(run_config(*overrides))  # same config: skipped, the record is returned unchanged
     assert again["created"] == stored["created"] and "skipped" in capsys.readouterr().out
+
+
+@needs_tiny
+def test_precision_without_preset_is_a_job(tmp_path):
+    from quantmla.run import route_precision
+
+    overrides = route_precision(tiny_job(tmp_path, "precision=c3r4"))
+    record = run(run_config(*overrides))
+    assert (
+        record["config"]["precision"]["name"] == "c3r4" and record["metrics"]["ppl/wikitext2"] > 1
+    )
