@@ -59,13 +59,13 @@ def mirror(record: dict[str, Any], logger_cfg, directory: str | None = None) -> 
             | {"calibration/step": row["step"]}
         )
     run.summary.update(_scalars(metrics))
-    run_id, offline, url = run.id, run.settings._offline, run.url
-    run_dir = Path(run.dir).parent
+    run_id, run_dir = run.id, Path(run.dir).parent
+    where = None if run.settings._offline else run.url
     run.finish()
-    if offline:
+    if where is None:
         print(f"[quantmla] W&B offline run {run_dir} (send it: wandb sync {run_dir})")
     else:
-        print(f"[quantmla] W&B run {url}")
+        print(f"[quantmla] W&B run {where}")
     return run_id
 
 
