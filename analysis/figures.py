@@ -1,6 +1,9 @@
 """Regenerate a figure (PNG and PDF) from the results store only.
 
-    python -m analysis.figures fig5a [--experiment fig5a_memory] [--results results] [--out docs]
+    python -m analysis.figures {fig2,fig5a,fig6,fig7} [--experiment NAME] [--results results] [--out docs]
+
+`fig2`, `fig6`: the sensitivity study (`experiment=fig2_sensitivity`, analysis/sensitivity.py);
+`fig7`: the operator analysis (`experiment=table5_probes`, analysis/probes.py).
 
 `fig5a`: persistent KV-cache memory per layer and request, 1K–1M tokens, one curve per precision,
 from the records of `python -m quantmla.run experiment=fig5a_memory` (the model's own d_c, d_r),
@@ -82,9 +85,16 @@ def fig5a(records: list[dict], out: Path) -> list[Path]:
         f"Fig. 5a — persistent MLA cache memory, {model} (d_c {any_metrics['memory/d_c']}, "
         f"d_r {any_metrics['memory/d_r']}, 64-token pages, protection sink + recent)"
     )
+    stem = "fig5a_memory" if model == "deepseek_v2_lite" else f"fig5a_memory_{model}"
+    return save(fig, out, stem)
+
+
+def save(fig, out: Path, stem: str) -> list[Path]:
+    """PNG + PDF without timestamps or version stamps (byte-identical when nothing changed)."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
-    stem = "fig5a_memory" if model == "deepseek_v2_lite" else f"fig5a_memory_{model}"
     paths = [out / f"{stem}.png", out / f"{stem}.pdf"]
     for p in paths:
         fig.savefig(p, dpi=150, metadata=DETERMINISTIC[p.suffix[1:]])
@@ -92,22 +102,53 @@ def fig5a(records: list[dict], out: Path) -> list[Path]:
     return paths
 
 
-FIGURES = {"fig5a": (fig5a, "fig5a_memory")}
+def output_name(name: str, experiment: str, default: str) -> str:
+    """`name` for the paper's experiment; its twin's name otherwise (tiny_fig2_sensitivity → tiny_fig6_…)."""
+    if experiment == default:
+        return name
+    return experiment.replace(default, name) if default in experiment else f"{experiment}_{name}"
+
+
+def _named(draw, name):
+    """A study figure whose file name carries the experiment when it is not the paper's."""
+
+    def figure(records, out, experiment, default):
+        return draw(records, out, output_name(name, experiment, default))
+
+    return figure
+
+
+def _fig5a(records, out, experiment, default):
+    return fig5a(records, out)
+
+
+def _figures():
+    from analysis import probes, sensitivity
+
+    return {
+        "fig2": (_named(sensitivity.fig2, "fig2_sensitivity"), "fig2_sensitivity"),
+        "fig5a": (_fig5a, "fig5a_memory"),
+        "fig6": (_named(sensitivity.fig6, "fig6_sensitivity_layers"), "fig2_sensitivity"),
+        "fig7": (_named(probes.fig7, "fig7_operator"), "table5_probes"),
+    }
+
+
+FIGURES = ("fig2", "fig5a", "fig6", "fig7")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("figure", choices=sorted(FIGURES))
+    parser.add_argument("figure", choices=FIGURES)
     parser.add_argument("--experiment", default=None, help="records of this experiment")
     parser.add_argument(
         "--results", default=None, help="results store (default: paths.results_dir)"
     )
     parser.add_argument("--out", default="docs")
     args = parser.parse_args()
-    draw, experiment = FIGURES[args.figure]
-    experiment = args.experiment or experiment
+    draw, default = _figures()[args.figure]
+    experiment = args.experiment or default
     root = Path(args.results) if args.results else default_results_dir()
     records = load_records(root, experiment)
     if not records:
@@ -115,7 +156,7 @@ def main() -> None:
             f"error: no records in {root / experiment}; run `python -m quantmla.run "
             f"experiment={experiment}` first (nothing was written)"
         )
-    for path in draw(records, Path(args.out)):
+    for path in draw(records, Path(args.out), experiment, default):
         print(f"wrote {path}")
 
 

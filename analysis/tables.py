@@ -5,6 +5,8 @@ bold), "—" for a missing cell (never zero), and the paper's own numbers beside
 
     python -m analysis.tables tiny_table1            # Markdown to stdout, Markdown + LaTeX to docs/tables/
     python -m analysis.tables table1 --source wandb --project quantmla
+    python -m analysis.tables table4 [--experiment tiny_fig2_sensitivity]   # sensitivity aggregates
+    python -m analysis.tables table5 | table6 [--experiment tiny_table5_probes]   # operator analysis
 """
 
 from __future__ import annotations
@@ -173,6 +175,23 @@ def to_latex(rows: list[list[str]]) -> str:
     )
 
 
+def study_tables(paper: dict) -> dict:
+    """The analyses' tables: name -> (rows from records, default experiment)."""
+    from analysis import probes, sensitivity
+
+    return {
+        "table4": (sensitivity.table4_rows, "fig2_sensitivity"),
+        "table5": (probes.table5_rows, "table5_probes"),
+        "table6": (
+            lambda records: probes.table6_rows(records, paper.get("table6_interventions")),
+            "table5_probes",
+        ),
+    }
+
+
+STUDY_TABLES = ("table4", "table5", "table6")
+
+
 def default_results_dir() -> Path:
     """The results store of the default `paths` config (`paths.results_dir` under `paths.root`)."""
     from quantmla.config import PathsConfig
@@ -185,7 +204,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("table", choices=sorted(LAYOUTS))
+    parser.add_argument("table", choices=sorted(LAYOUTS) + list(STUDY_TABLES))
+    parser.add_argument("--experiment", default=None, help="records of this experiment")
     parser.add_argument(
         "--results", default=None, help="results store (default: paths.results_dir)"
     )
@@ -194,30 +214,40 @@ def main() -> None:
     parser.add_argument("--entity", default=None)
     parser.add_argument("--out", default="docs/tables")
     args = parser.parse_args()
-    layout = LAYOUTS[args.table]
+    paper = yaml.safe_load(PAPER_NUMBERS.read_text())
+    if args.table in STUDY_TABLES:
+        rows_of, default = study_tables(paper)[args.table]
+    else:
+        layout = LAYOUTS[args.table]
+        default = layout.experiment
+
+        def rows_of(records):
+            return build(records, layout, paper)
+
+    experiment = args.experiment or default
+    root = Path(args.results) if args.results else default_results_dir()
     if args.source == "wandb":
         from quantmla.tracking.wandb_mirror import load_records_from_wandb
 
-        records = load_records_from_wandb(args.project, layout.experiment, args.entity)
+        records = load_records_from_wandb(args.project, experiment, args.entity)
     else:
-        records = load_records(args.results or default_results_dir(), layout.experiment)
+        records = load_records(root, experiment)
     if not records:
-        where = (
-            f"W&B group {layout.experiment!r}"
-            if args.source == "wandb"
-            else Path(args.results or default_results_dir()) / layout.experiment
-        )
+        where = f"W&B group {experiment!r}" if args.source == "wandb" else root / experiment
         sys.exit(
             f"error: no records for {args.table} in {where}; run `python -m quantmla.run "
-            f"experiment={layout.experiment}` first (nothing was written)"
+            f"experiment={experiment}` first (nothing was written)"
         )
-    rows = build(records, layout, yaml.safe_load(PAPER_NUMBERS.read_text()))
+    rows = rows_of(records)
     markdown = to_markdown(rows)
     print(markdown)
+    from analysis.figures import output_name
+
+    name = output_name(args.table, experiment, default)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.table}.md").write_text(markdown + "\n")
-    (out / f"{args.table}.tex").write_text(to_latex(rows) + "\n")
+    (out / f"{name}.md").write_text(markdown + "\n")
+    (out / f"{name}.tex").write_text(to_latex(rows) + "\n")
 
 
 if __name__ == "__main__":

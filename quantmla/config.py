@@ -96,6 +96,19 @@ class EvalConfig:
     batch_size: int = opt(4, "windows per forward")
     compare_bf16: bool = opt(True, "also measure the unquantized model in the same job")
     nmse_windows: int = opt(8, "windows for per-layer attention-output NMSE (0: off)")
+    # sensitivity / probes (one cell = one dataset in `datasets` × `seed`)
+    paths: list[str] = opt(
+        help="analysed cache paths: C (content), P (RoPE)", factory=lambda: ["C", "P"]
+    )
+    target_nmse: float = opt(
+        0.01, "cache NMSE of the rescaled QDQ error (sensitivity 0.01, probes 1e-3)"
+    )
+    n_sequences: int = opt(8, "non-overlapping windows per cell")
+    seqlen: int = opt(512, "tokens per window of a cell")
+    layers: list[int] = opt(help="MLA layer indices to analyse (empty: all)", factory=list)
+    probes: int = opt(256, "Rademacher probes per path (probes kind)")
+    probe_chunk: int = opt(16, "probes per vmapped VJP batch (bounds memory)")
+    interventions: int = opt(16, "draws per equal-energy intervention (probes kind)")
 
 
 @dataclass
@@ -197,7 +210,13 @@ def validate(cfg: RunConfig):
         from quantmla.data.sources import resolve_data_dir
 
         resolve_data_dir(paths.data_dir)
+    if evaluator.needs_model:
+        check_checkpoint_reachable(cfg, paths)
     model_config = model_config_without_weights(cfg, paths)
+    if evaluator.kind in ("sensitivity", "probes"):
+        from quantmla.evaluation.layer_study import check_study_config, mla_layer_count
+
+        check_study_config(cfg, mla_layer_count(model_config) if model_config else None)
     if model_config is not None:
         policy.check_dims(model_config.kv_lora_rank, model_config.qk_rope_head_dim)
     elif not evaluator.needs_model:
@@ -212,6 +231,26 @@ def validate(cfg: RunConfig):
             f"implemented: {', '.join(k for k, e in EVALUATORS.items() if e.implemented)}"
         )
     return evaluator, paths
+
+
+def check_checkpoint_reachable(cfg: RunConfig, paths) -> None:
+    """A hub id with the hub offline must already be in the local cache: else one line now,
+    not a download error after the data is loaded."""
+    import os
+
+    from quantmla.paths import local_config_json
+
+    if local_config_json(paths.checkpoint(cfg.model.path)) is not None:
+        return
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("1", "true", "yes", "on"):
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    if not isinstance(try_to_load_from_cache(cfg.model.path, "config.json"), str):
+        raise DataNotFoundError(
+            f"model.path={cfg.model.path!r} is a hub id, the hub is offline (HF_HUB_OFFLINE) and it is "
+            "not in the local cache; set model.path=<checkpoint folder> (e.g. in conf/local/default.yaml)"
+        )
 
 
 def model_config_without_weights(cfg: RunConfig, paths):

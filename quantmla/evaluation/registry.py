@@ -49,8 +49,16 @@ EVALUATORS: dict[str, Evaluator] = {
         ),
         Evaluator("lm_eval", None, "lm-eval suites of Tables 1 and 2"),
         Evaluator("ruler", None, "RULER S-NIAH (Fig. 4)"),
-        Evaluator("sensitivity", None, "per-layer path sensitivity (Fig. 2/6, Table 4)"),
-        Evaluator("probes", None, "Rademacher-probe operator analysis (Tables 5/6, Fig. 7)"),
+        Evaluator(
+            "sensitivity",
+            "quantmla.evaluation.sensitivity",
+            "per-layer path sensitivity (Fig. 2/6, Table 4)",
+        ),
+        Evaluator(
+            "probes",
+            "quantmla.evaluation.probes",
+            "Rademacher-probe operator analysis (Tables 5/6, Fig. 7)",
+        ),
         Evaluator("latency", None, "decode latency of the packed-cache kernels (Fig. 5b)"),
         Evaluator("throughput", None, "cache-pressure throughput (Fig. 5c)"),
     )

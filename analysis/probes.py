@@ -1,0 +1,265 @@
+"""Aggregates of the operator analysis (SPEC §8) from its per-cell records: Tables 5 and 6, Fig. 7.
+
+Points are (model, cell, layer). Target y = log(G_P/G_C); predictors, each with its own intercept
+fitted on the fit set and applied unchanged to the evaluation set:
+  full:             log(T_P/T_C) + log(A_P/A_C) + γ
+  trace-only:       log(T_P/T_C) + γ_T
+  cache-error-only: γ_0
+Fit/evaluation split: with two or more models, fit on the first (paper: DeepSeek-V2-Lite) and
+evaluate on the others; with one model, fit on the first half of its layers × WikiText-2 cells and
+evaluate on the second half × C4 cells (no point in both).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from analysis.sensitivity import MODEL_ORDER, _cell, _plt, _save
+
+PREDICTORS = ("full", "trace-only", "cache-error-only")
+
+
+@dataclass
+class Point:
+    model: str
+    cell: str
+    layer: int
+    y: float  # log(G_P / G_C)
+    log_t: float  # log(T_P / T_C)
+    log_a: float  # log(A_P / A_C)
+
+
+def _records(records):
+    rows = [
+        r for r in records if "probes/G_content" in r["metrics"] and "probes/G_rope" in r["metrics"]
+    ]
+    key = lambda r: (  # noqa: E731
+        r["config"]["model"]["name"] not in MODEL_ORDER,
+        MODEL_ORDER.index(r["config"]["model"]["name"])
+        if r["config"]["model"]["name"] in MODEL_ORDER
+        else 0,
+        r["config"]["model"]["name"],
+        _cell(r),
+    )
+    return sorted(rows, key=key)
+
+
+def points(records: list[dict]) -> list[Point]:
+    out = []
+    for r in _records(records):
+        m = r["metrics"]
+        for i, layer in enumerate(m["probes/layers"]):
+            out.append(
+                Point(
+                    r["config"]["model"]["name"],
+                    _cell(r),
+                    layer,
+                    float(np.log(m["probes/G_rope"][i] / m["probes/G_content"][i])),
+                    float(np.log(m["probes/T_rope"][i] / m["probes/T_content"][i])),
+                    float(np.log(m["probes/A_rope"][i] / m["probes/A_content"][i])),
+                )
+            )
+    return out
+
+
+def split(pts: list[Point]) -> tuple[list[Point], list[Point], str]:
+    models = list(dict.fromkeys(p.model for p in pts))
+    if len(models) > 1:
+        fit = [p for p in pts if p.model == models[0]]
+        return (
+            fit,
+            [p for p in pts if p.model != models[0]],
+            f"fit on {models[0]}, applied to {', '.join(models[1:])}",
+        )
+    layers = sorted({p.layer for p in pts})
+    first = set(layers[: len(layers) // 2])
+    fit = [p for p in pts if p.layer in first and p.cell.startswith("wikitext2")]
+    held = [p for p in pts if p.layer not in first and p.cell.startswith("c4")]
+    return (
+        fit,
+        held,
+        (
+            f"fit on layers {min(first)}–{max(first)} × WikiText-2 cells, applied to layers "
+            f"{min(set(layers) - first)}–{max(layers)} × C4 cells"
+        ),
+    )
+
+
+def _base(p: Point, predictor: str) -> float:
+    return {"full": p.log_t + p.log_a, "trace-only": p.log_t, "cache-error-only": 0.0}[predictor]
+
+
+def spearman(a, b) -> float:
+    """Rank correlation (continuous values: ties are not expected)."""
+    ra = np.argsort(np.argsort(np.asarray(a)))
+    rb = np.argsort(np.argsort(np.asarray(b)))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def predictions(records: list[dict]) -> dict:
+    """γ per predictor on the fit set, and its errors on the evaluation set."""
+    pts = points(records)
+    fit, held, description = split(pts)
+    results = {"split": description, "n_fit": len(fit), "n_eval": len(held), "predictors": {}}
+    for predictor in PREDICTORS:
+        gamma = float(np.mean([p.y - _base(p, predictor) for p in fit]))
+        pred = np.array([_base(p, predictor) + gamma for p in held])
+        obs = np.array([p.y for p in held])
+        err = pred - obs
+        results["predictors"][predictor] = {
+            "gamma": gamma,
+            "mae": float(np.abs(err).mean()),
+            "rmse": float(np.sqrt((err**2).mean())),
+            "spearman": spearman(pred, obs) if predictor != "cache-error-only" else float("nan"),
+            "sign_agreement": float((np.sign(pred) == np.sign(obs)).mean()),
+        }
+    return results
+
+
+def table5_rows(records: list[dict]) -> list[list[str]]:
+    res = predictions(records)
+    rows = [
+        [
+            "predictor of log(G_P/G_C)",
+            "γ (fit)",
+            "MAE",
+            "RMSE",
+            "Spearman",
+            "sign agreement",
+            "split",
+        ]
+    ]
+    for name, r in res["predictors"].items():
+        rows.append(
+            [
+                name,
+                f"{r['gamma']:+.3f}",
+                f"{r['mae']:.3f}",
+                f"{r['rmse']:.3f}",
+                "—" if np.isnan(r["spearman"]) else f"{r['spearman']:.3f}",
+                f"{r['sign_agreement']:.2f}",
+                f"{res['split']} ({res['n_fit']} / {res['n_eval']} points)",
+            ]
+        )
+    return rows
+
+
+def interventions(records: list[dict], layer: int | None = None) -> dict:
+    """Per model: median gain ratio of each equal-energy intervention over all points and draws,
+    the mean at one layer (paper: 20; else the middle layer), and the JVP-vs-finite Spearman."""
+    out = {}
+    for r in _records(records):
+        model = r["config"]["model"]["name"]
+        entry = out.setdefault(model, {"ratios": {}, "layer_ratios": {}, "jvp": [], "fd": []})
+        m = r["metrics"]
+        layers = m["probes/layers"]
+        chosen = layer if layer in layers else (20 if 20 in layers else layers[len(layers) // 2])
+        entry["layer"] = chosen
+        for kind in ("signs", "permutation", "isotropic"):
+            for i, draws in enumerate(m.get(f"probes/ratio_{kind}", [])):
+                entry["ratios"].setdefault(kind, []).extend(draws)
+                if layers[i] == chosen:
+                    entry["layer_ratios"].setdefault(kind, []).extend(draws)
+        for layer_obs in m["probes/observations"]:
+            for _, _, g_jvp, g_fd in layer_obs:
+                entry["jvp"].append(g_jvp)
+                entry["fd"].append(g_fd)
+    for entry in out.values():
+        entry["median"] = {k: float(np.median(v)) for k, v in entry["ratios"].items()}
+        entry["at_layer"] = {k: float(np.mean(v)) for k, v in entry["layer_ratios"].items()}
+        entry["spearman"] = spearman(entry["jvp"], entry["fd"])
+        entry["n_observations"] = len(entry["jvp"])
+    return out
+
+
+def table6_rows(records: list[dict], paper: dict | None = None) -> list[list[str]]:
+    paper = paper or {}
+    rows = [
+        [
+            "model",
+            "layer",
+            "signs (layer)",
+            "permutation (layer)",
+            "isotropic (layer)",
+            "median signs",
+            "median permutation",
+            "median isotropic",
+            "JVP vs finite Spearman",
+        ]
+    ]
+    for model, e in interventions(records).items():
+        stated = paper.get(model, {})
+
+        def cite(text, key, stated=stated):
+            return f"{text} (paper {stated[key]})" if key in stated else text
+
+        rows.append(
+            [
+                model,
+                str(e["layer"]),
+                f"{e['at_layer'].get('signs', float('nan')):.3f}×",
+                cite(
+                    f"{e['at_layer'].get('permutation', float('nan')):.3f}×",
+                    "permutation_gain_layer20",
+                ),
+                f"{e['at_layer'].get('isotropic', float('nan')):.3f}×",
+                f"{e['median'].get('signs', float('nan')):.3f}×",
+                cite(
+                    f"{e['median'].get('permutation', float('nan')):.3f}×",
+                    "median_permutation_gain",
+                ),
+                f"{e['median'].get('isotropic', float('nan')):.3f}×",
+                cite(f"{e['spearman']:.3f} ({e['n_observations']} obs.)", "jvp_spearman"),
+            ]
+        )
+    return rows
+
+
+def fig7(records: list[dict], out: Path, stem: str) -> list:
+    """(a) predicted vs observed log(G_P/G_C), fit and evaluation points; (b) intervention gain
+    ratios; (c) JVP vs finite-perturbation gains."""
+    plt = _plt()
+    res = predictions(records)
+    pts = points(records)
+    fit, held, _ = split(pts)
+    gamma = res["predictors"]["full"]["gamma"]
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 3.8))
+    for group, style, label in ((fit, "C0o", "fit"), (held, "C3s", "evaluation")):
+        a.plot(
+            [p.y for p in group],
+            [p.log_t + p.log_a + gamma for p in group],
+            style,
+            ms=4,
+            label=label,
+        )
+    lim = [min(p.y for p in pts) - 0.3, max(p.y for p in pts) + 0.3]
+    a.plot(lim, lim, "k--", lw=0.8)
+    a.set_xlabel("observed log(G_P/G_C)")
+    a.set_ylabel("log(T_P/T_C) + log(A_P/A_C) + γ")
+    a.set_title(f"γ = {gamma:+.3f}, eval MAE {res['predictors']['full']['mae']:.3f}", fontsize=9)
+    a.legend(fontsize=7)
+    inter = interventions(records)
+    kinds = ("signs", "permutation", "isotropic")
+    data, labels = [], []
+    for model, e in inter.items():
+        for k in kinds:
+            if k in e["ratios"]:
+                data.append(e["ratios"][k])
+                labels.append(f"{k}\n{model}" if len(inter) > 1 else k)
+    b.boxplot(data, labels=labels)
+    b.axhline(1.0, color="gray", ls="--", lw=0.8)
+    b.set_yscale("log")
+    b.set_ylabel("content gain ratio G(e′)/G(e), equal energy")
+    b.tick_params(axis="x", labelsize=7)
+    for model, e in inter.items():
+        c.loglog(e["fd"], e["jvp"], "o", ms=3, label=f"{model} (ρ = {e['spearman']:.3f})")
+    c.set_xlabel("finite-perturbation gain")
+    c.set_ylabel("JVP gain")
+    c.legend(fontsize=7)
+    for ax in (a, b, c):
+        ax.grid(alpha=0.3)
+    fig.suptitle("Fig. 7 — operator analysis at cache NMSE 1e-3")
+    return _save(fig, out, stem)

@@ -1,0 +1,205 @@
+"""The two path analyses (SPEC §7–§8) against explicit float64 references on a layer small enough
+for its whole Jacobian, their bad inputs, and the aggregates built from their records."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from analysis import probes as probe_tables
+from analysis import sensitivity as sens_tables
+from quantmla.calibration.objectives import layer_output
+from quantmla.errors import ConfigError
+from quantmla.evaluation.layer_study import capture_cell, layer_cell, qdq_error, rescale_to_nmse
+from quantmla.evaluation.probes import decomposition, directional_gain, hessian_diagonal
+from quantmla.evaluation.sensitivity import finite_response
+from quantmla.models.adapters import get_adapter
+from quantmla.models.tiny import tiny_mla_config
+from quantmla.spec import QuantizerSpec
+from tests.conftest import needs_tiny, run_config
+
+SPEC = QuantizerSpec(4, 4, group_size=16)
+
+
+@pytest.fixture(scope="module")
+def small_layer():
+    """One float64 MLA layer (hidden 32, d_c 32, d_r 16), 2 sequences of 6 tokens: J is 384 × 384."""
+    torch.manual_seed(0)
+    config = tiny_mla_config(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+        intermediate_size=32,
+    )
+    model = AutoModelForCausalLM.from_config(config).double().eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    adapter = get_adapter(model.config)
+    modules = adapter.attention_modules(model)
+    store = capture_cell(model, modules, torch.randint(0, 64, (2, 6)), batch_size=2)
+    return layer_cell(store, 0, modules[0], adapter)
+
+
+@pytest.mark.parametrize("path", ["C", "P"])
+def test_gain_decomposition_matches_the_explicit_jacobian(small_layer, path):
+    cell = small_layer
+    x = cell.cached(path)
+    e = rescale_to_nmse(qdq_error(SPEC, path, x), x, 1e-3)
+
+    def f(v):
+        return cell.output(path, v)
+
+    jac = torch.autograd.functional.jacobian(f, x).reshape(cell.y.numel(), x.numel())
+    h = jac.T @ jac
+    ev = e.reshape(-1)
+    trace_mean = float(h.diagonal().mean())
+    a_explicit = float((h.diagonal() * ev**2).sum() / (trace_mean * ev @ ev))
+    o_explicit = float((ev @ h @ ev - (h.diagonal() * ev**2).sum()) / (trace_mean * ev @ ev))
+    gain = directional_gain(f, x, e)
+    assert gain == pytest.approx(
+        float(ev @ h @ ev / (ev @ ev)), rel=1e-12
+    )  # JVP = Rayleigh quotient
+    assert gain == pytest.approx(
+        trace_mean * (a_explicit + o_explicit), rel=1e-10, abs=0
+    )  # G = T(A + O)
+    exact = decomposition(h.diagonal().reshape(x.shape), e, gain)
+    assert exact["T"] == pytest.approx(trace_mean, rel=1e-12)
+    assert exact["A"] == pytest.approx(a_explicit, rel=1e-12)
+    assert exact["O"] == pytest.approx(o_explicit, rel=1e-8, abs=1e-12)
+
+
+def test_probe_estimates_converge_like_one_over_sqrt_probes(small_layer):
+    cell = small_layer
+    x = cell.cached("C")
+
+    def f(v):
+        return cell.output("C", v)
+
+    jac = torch.autograd.functional.jacobian(f, x).reshape(cell.y.numel(), x.numel())
+    diag = (jac**2).sum(dim=0).reshape(x.shape)
+    errors = {}
+    for n in (16, 256):
+        trials = [
+            hessian_diagonal(f, x, n, 16, torch.Generator().manual_seed(seed)) for seed in range(6)
+        ]
+        errors[n] = (
+            np.mean([float((t.sum() - diag.sum()).abs() / diag.sum()) for t in trials]),
+            np.mean([float((t - diag).norm() / diag.norm()) for t in trials]),
+        )
+    # 16× the probes: errors shrink ~4× (1/√probes); asserted > 2× for the (noisier) trace,
+    # > 3× for the diagonal, over 6 seeds
+    assert errors[256][0] < errors[16][0] / 2 and errors[256][1] < errors[16][1] / 3, errors
+    assert errors[256][0] < 0.05 and errors[256][1] < 0.15
+
+
+def test_finite_response_against_the_expanded_form(small_layer):
+    """R from the study equals NMSE_out / 0.01 computed independently with the expanded form."""
+    cell = small_layer
+    for path in ("C", "P"):
+        x = cell.cached(path)
+        e = rescale_to_nmse(qdq_error(SPEC, path, x), x, 0.01)
+        assert float(e.pow(2).sum() / x.pow(2).sum()) == pytest.approx(0.01, rel=1e-12)
+        replace = {"c": x + e} if path == "C" else {"k_rot": x + e}
+        y = layer_output(cell.module, cell.adapter, cell.proj)
+        y_hat = layer_output(cell.module, cell.adapter, cell.proj, **replace)
+        reference = float((y_hat - y).pow(2).sum() / y.pow(2).sum()) / 0.01
+        assert finite_response(cell, path, SPEC, 0.01) == pytest.approx(reference, rel=1e-9)
+
+
+@needs_tiny
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("eval.layers=[6]", "eval.layers=6 is not allowed; allowed: layer indices in 0..5"),
+        ("eval.paths=[C,X]", "eval.paths='X' is not allowed"),
+        ("eval.target_nmse=0", "eval.target_nmse=0.0 is not allowed"),
+        ("eval.datasets=[wikitext2,c4]", "exactly one dataset per job"),
+    ],
+)
+def test_bad_study_settings_stop_before_loading(override, expected, tmp_path, monkeypatch):
+    import quantmla.prepare
+    from quantmla.run import run
+
+    monkeypatch.setattr(quantmla.prepare, "prepare", lambda *a, **k: pytest.fail("loaded a model"))
+    with pytest.raises(ConfigError, match=expected.replace("[", r"\[")):
+        run(
+            run_config("eval=sensitivity", override, "logger=none", f"paths.results_dir={tmp_path}")
+        )
+
+
+def test_too_few_probes_stop(tmp_path):
+    from quantmla.config import validate
+
+    with pytest.raises(ConfigError, match="eval.probes=1 is not allowed; allowed: at least 2"):
+        validate(run_config("eval=probes", "eval.probes=1", f"paths.results_dir={tmp_path}"))
+
+
+def test_hub_checkpoint_offline_stops_in_one_line(tmp_path, monkeypatch):
+    from quantmla.config import validate
+    from quantmla.errors import DataNotFoundError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(
+        DataNotFoundError, match="model.path='deepseek-ai/DeepSeek-V2-Lite' is a hub id"
+    ):
+        validate(
+            run_config(
+                "experiment=fig2_sensitivity",
+                "model=deepseek_v2_lite",
+                f"paths.results_dir={tmp_path}",
+            )
+        )
+
+
+def _sens_record(model, dataset, seed, rc, rp):
+    return {
+        "config": {"model": {"name": model}, "eval": {"datasets": [dataset]}, "seed": seed},
+        "metrics": {
+            "sensitivity/layers": list(range(len(rc))),
+            "sensitivity/R_content": rc,
+            "sensitivity/R_rope": rp,
+        },
+    }
+
+
+def test_model_ratio_is_ratio_of_means_not_mean_of_ratios():
+    records = [
+        _sens_record("m", "wikitext2", 0, [1.0, 0.1], [0.5, 0.4]),
+        _sens_record("m", "c4", 0, [3.0, 0.3], [1.5, 0.2]),
+    ]
+    (m,) = sens_tables.aggregate(records)
+    assert np.allclose(m.mean_content, [2.0, 0.2]) and np.allclose(m.mean_rope, [1.0, 0.3])
+    assert m.model_ratio == pytest.approx(1.3 / 2.2)
+    assert np.allclose(m.layer_ratio, [0.5, 1.5]) and m.model_ratio != pytest.approx(1.0)
+    rows = sens_tables.table4_rows(records)
+    assert rows[1][5] == f"**{1.3 / 2.2:.3f}**" and rows[1][8] == "1/2"
+
+
+def test_gamma_split_is_disjoint_and_exact_when_the_model_holds():
+    """With y = t + a + γ exactly, the full predictor transfers with zero error."""
+    records = []
+    rng = np.random.default_rng(0)
+    for dataset in ("wikitext2", "c4"):
+        m = {k: [] for k in ("G_content", "G_rope", "T_content", "T_rope", "A_content", "A_rope")}
+        for _ in range(4):
+            t_c, t_p, a_c, a_p = rng.uniform(0.5, 2.0, 4)
+            m["T_content"].append(t_c), m["T_rope"].append(t_p)
+            m["A_content"].append(a_c), m["A_rope"].append(a_p)
+            m["G_content"].append(t_c * a_c), m["G_rope"].append(t_p * a_p * np.exp(0.3))
+        metrics = {f"probes/{k}": v for k, v in m.items()} | {"probes/layers": [0, 1, 2, 3]}
+        records.append(
+            {
+                "config": {"model": {"name": "m"}, "eval": {"datasets": [dataset]}, "seed": 0},
+                "metrics": metrics,
+            }
+        )
+    fit, held, _ = probe_tables.split(probe_tables.points(records))
+    assert fit and held and not {(p.cell, p.layer) for p in fit} & {(p.cell, p.layer) for p in held}
+    res = probe_tables.predictions(records)["predictors"]
+    assert res["full"]["gamma"] == pytest.approx(0.3) and res["full"]["mae"] < 1e-12
+    assert res["trace-only"]["mae"] > 0.01
