@@ -210,8 +210,6 @@ def validate(cfg: RunConfig):
         from quantmla.data.sources import resolve_data_dir
 
         resolve_data_dir(paths.data_dir)
-    if evaluator.needs_model:
-        check_checkpoint_reachable(cfg, paths)
     model_config = model_config_without_weights(cfg, paths)
     if evaluator.kind in ("sensitivity", "probes"):
         from quantmla.evaluation.layer_study import check_study_config, mla_layer_count
@@ -230,6 +228,8 @@ def validate(cfg: RunConfig):
             f"eval.kind={cfg.eval.kind!r} is not implemented yet ({evaluator.description}); "
             f"implemented: {', '.join(k for k, e in EVALUATORS.items() if e.implemented)}"
         )
+    if evaluator.needs_model:  # the environment, after every field
+        check_checkpoint_reachable(cfg, paths)
     return evaluator, paths
 
 
