@@ -24,11 +24,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = (
-    Path(os.environ.get("QUANTMLA_SHARED", REPO.parent / "shared"))
-    / "model-configs"
-    / "deepseek-v2-lite.json"
-)
+CONFIG = REPO / "assets" / "model-configs" / "deepseek-v2-lite.json"
 VARIANTS = ("unpatched", "bf16", "c4r4")
 
 

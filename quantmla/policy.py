@@ -24,6 +24,7 @@ class CachePolicy:
     content_meta_dtype: str = "bfloat16"
     rope_meta_dtype: str = "float32"
     check_finite: bool = True
+    incremental: bool = True  # quantize each token once as it enters a DynamicCache (same values)
 
     def __post_init__(self):
         self.spec  # noqa: B018  (validates precision, group size, metadata dtypes)

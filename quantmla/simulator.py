@@ -2,8 +2,10 @@
 cache through the quantizer under a sink/recent protection policy (SPEC §5).
 
 The transformers cache keeps storing the unquantized latent `c` and RoPE key `k_R` (the BF16
-protection copies); each forward dequantizes the history per token (deterministic, so prefill and
-token-by-token decoding see the same values) and attends with `quantmla.attention`.
+protection copies). Quantization is per token and deterministic, so prefill and token-by-token
+decoding see the same values: a `DynamicCache` keeps each token's dequantized copy, made once when
+the token enters (`quantmla.cache`); without a cache, or with another cache type, the history is
+quantize-dequantized in the forward. Attention is `quantmla.attention`.
 
 Non-finite values: a NaN/Inf entering the cache would reach every later query that attends to its
 token. With `check_finite=True` (default) the forward stops with `NonFiniteCacheError` naming the
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from quantmla.attention import attention_output, protected_mask
+from quantmla.cache import dequantized_layer
 from quantmla.errors import ConfigError, NonFiniteCacheError, QuantMLAError
 from quantmla.models.adapters import MLAAdapter, MLAGeometry, get_adapter
 from quantmla.policy import CachePolicy
@@ -87,24 +90,32 @@ def mla_forward(
     b, n = hidden_states.shape[:2]
     past = cache.get_seq_length(module.layer_idx) if cache is not None else 0
     c, k_rot = proj.c, proj.k_rot
+    hats = None
     if cache is not None:
-        c4, k4 = cache.update(c.unsqueeze(1), k_rot.unsqueeze(1), module.layer_idx, kwargs=kwargs)
+        new_c, new_k = c.unsqueeze(1), k_rot.unsqueeze(1)
+        c4, k4 = cache.update(new_c, new_k, module.layer_idx, kwargs=kwargs)
         c, k_rot = c4[:, 0], k4[:, 0]
+        spec = policy.spec
+        layer = dequantized_layer(cache, module.layer_idx) if policy.incremental else None
+        if layer is not None and spec.quantized:
+            c4_hat, k4_hat = layer.dequantized(new_c, new_k, spec)
+            hats = (c4_hat[:, 0], k4_hat[:, 0])
     q_slots = past + torch.arange(n, device=c.device)
     allowed = _allowed_mask(attention_mask, q_slots, c.shape[1], b)
-    regions = _regions(policy, c, k_rot, allowed, q_slots)
+    regions = _regions(policy, c, k_rot, allowed, q_slots, hats)
     out = attention_output(
         module, adapter, proj.q_nope, proj.q_rot, regions, policy.form, patch.geometry
     )
     return out, None
 
 
-def _regions(policy: CachePolicy, c, k_rot, allowed, q_slots):
-    """[(c, k_R, allowed)] per region: the dequantized history and the gathered protected rows."""
+def _regions(policy: CachePolicy, c, k_rot, allowed, q_slots, hats=None):
+    """[(c, k_R, allowed)] per region: the dequantized history (`hats` when the cache keeps it,
+    else quantized here) and the gathered protected rows."""
     spec = policy.spec
     if not spec.quantized:
         return [(c, k_rot, allowed)]
-    c_hat, k_hat = spec.qdq_content(c), spec.qdq_rope(k_rot)
+    c_hat, k_hat = hats if hats is not None else (spec.qdq_content(c), spec.qdq_rope(k_rot))
     protected = protected_mask(q_slots, c.shape[1], policy.sink, policy.recent)[None, None]
     regions = []
     quant_allowed = allowed & ~protected
