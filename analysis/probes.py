@@ -249,7 +249,7 @@ def fig7(records: list[dict], out: Path, stem: str) -> list:
             if k in e["ratios"]:
                 data.append(e["ratios"][k])
                 labels.append(f"{k}\n{model}" if len(inter) > 1 else k)
-    b.boxplot(data, labels=labels)
+    b.boxplot(data, tick_labels=labels)
     b.axhline(1.0, color="gray", ls="--", lw=0.8)
     b.set_yscale("log")
     b.set_ylabel("content gain ratio G(e′)/G(e), equal energy")

@@ -203,3 +203,35 @@ def test_gamma_split_is_disjoint_and_exact_when_the_model_holds():
     res = probe_tables.predictions(records)["predictors"]
     assert res["full"]["gamma"] == pytest.approx(0.3) and res["full"]["mae"] < 1e-12
     assert res["trace-only"]["mae"] > 0.01
+
+
+def test_study_figures_draw_from_records(tmp_path):
+    from analysis.figures import _figures
+
+    sens = [
+        _sens_record("m", d, s, [1.0 + s, 0.1], [0.5, 0.4 + s])
+        for d in ("wikitext2", "c4")
+        for s in (0, 1)
+    ]
+    probe_records = []
+    for dataset in ("wikitext2", "c4"):
+        metrics = {"probes/layers": [0, 1]}
+        for key in ("G", "T", "A", "Gfd"):
+            for path in ("content", "rope"):
+                metrics[f"probes/{key}_{path}"] = [0.5, 2.0] if path == "rope" else [1.0, 1.5]
+        metrics["probes/observations"] = [
+            [["content", "qdq", 1.0, 1.1], ["rope", "qdq", 0.5, 0.4]]
+        ] * 2
+        for kind in ("signs", "permutation", "isotropic"):
+            metrics[f"probes/ratio_{kind}"] = [[1.0, 1.2], [0.9, 1.1]]
+        probe_records.append(
+            {
+                "config": {"model": {"name": "m"}, "eval": {"datasets": [dataset]}, "seed": 0},
+                "metrics": metrics,
+            }
+        )
+    figures = _figures()
+    for name, records in (("fig2", sens), ("fig6", sens), ("fig7", probe_records)):
+        draw, default = figures[name]
+        paths = draw(records, tmp_path, f"tiny_{default}", default)
+        assert all(p.stat().st_size > 1000 for p in paths)
