@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from quantmla.errors import QuantMLAError
+from quantmla.evaluation.nmse import nmse
 
 # Relative per-layer output error and absolute NLL drift (nats) allowed per weight dtype.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
@@ -54,10 +55,7 @@ class EquivalenceProbe:
     def check(self, model, modules) -> dict[str, float]:
         """Per-layer relative errors and NLL drift; raises above the dtype's rounding tolerance."""
         outputs, nll = self._run(model, modules)
-        errors = [
-            float((o - r).norm() / r.norm().clamp_min(1e-30))
-            for o, r in zip(outputs, self.layer_outputs)
-        ]
+        errors = [float(nmse(o, r).sqrt()) for o, r in zip(outputs, self.layer_outputs)]
         tol = TOLERANCE.get(next(model.parameters()).dtype, 1e-2)
         report = {
             "max_layer_rel_error": max(errors),
