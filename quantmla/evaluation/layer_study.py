@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import resource
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -61,9 +62,50 @@ class LayerCell:
         return y.to(torch.promote_types(y.dtype, torch.float32))
 
 
+def cell_sequences(cfg, prepared) -> torch.Tensor:
+    """The job's cell: `eval.n_sequences` seeded non-overlapping windows of its one dataset."""
+    from quantmla.data import load_text, sensitivity_cell, tokenize
+
+    (dataset,) = cfg.eval.datasets
+    text = load_text(dataset, cfg.eval.splits[dataset], prepared.paths.data_dir)
+    ids = tokenize(text, prepared.tokenizer)
+    return sensitivity_cell(ids, cfg.seed, cfg.eval.n_sequences, cfg.eval.seqlen)
+
+
 def capture_cell(model, modules, sequences: torch.Tensor, batch_size: int) -> ActivationStore:
     """Every MLA layer's input for the cell's sequences: one capture, reused by every layer."""
     return capture_inputs(model, modules, sequences, batch_size)
+
+
+def run_study(cfg, prepared, prefix: str, study_layer) -> tuple[list[int], list, dict]:
+    """Validate, capture the cell once with quantization off, call `study_layer(cell)` for every
+    studied layer; returns the layers, their results and `<prefix>/` timing and memory metrics."""
+    from tqdm.auto import tqdm
+
+    modules = prepared.modules
+    check_study_config(cfg, len(modules))
+    layers = study_layers(cfg, len(modules))
+    started = time.time()
+    with prepared.unquantized():
+        sequences = cell_sequences(cfg, prepared)
+        store = capture_cell(prepared.model, modules, sequences, cfg.eval.batch_size)
+    captured = time.time()
+    results = [
+        study_layer(layer_cell(store, layer, modules[layer], prepared.adapter))
+        for layer in tqdm(layers, desc=prefix, leave=False)
+    ]
+    device = modules[0].o_proj.weight.device
+    return (
+        layers,
+        results,
+        {
+            f"{prefix}/layers": layers,
+            f"{prefix}/target_nmse": cfg.eval.target_nmse,
+            f"{prefix}/seconds_capture": captured - started,
+            f"{prefix}/seconds_per_layer": (time.time() - captured) / len(layers),
+            f"{prefix}/peak_memory_mib": peak_memory_mib(device),
+        },
+    )
 
 
 @torch.no_grad()

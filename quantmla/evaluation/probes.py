@@ -14,23 +14,10 @@ Each observed direction also gets its finite-perturbation gain ‖f(x+e) − f(x
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch.func import jvp, vjp, vmap
-from tqdm.auto import tqdm
 
-from quantmla.evaluation.layer_study import (
-    PATH_NAMES,
-    capture_cell,
-    check_study_config,
-    layer_cell,
-    peak_memory_mib,
-    qdq_error,
-    rescale_to_nmse,
-    study_layers,
-)
-from quantmla.evaluation.sensitivity import cell_sequences
+from quantmla.evaluation.layer_study import PATH_NAMES, qdq_error, rescale_to_nmse, run_study
 
 INTERVENTIONS = ("signs", "permutation", "isotropic")
 
@@ -135,41 +122,21 @@ def study_layer(cell, spec, cfg, generator) -> dict:
 
 
 def evaluate(cfg, prepared) -> dict:
-    modules, spec = prepared.modules, prepared.policy.spec
-    check_study_config(cfg, len(modules))
-    layers = study_layers(cfg, len(modules))
-    device = modules[0].o_proj.weight.device
     generator = torch.Generator().manual_seed(cfg.seed)
     # derivatives are taken w.r.t. cached values only; weights needing grad would make every
     # vmapped VJP keep a graph through them (gigabytes on the tiny model)
     for p in prepared.model.parameters():
         p.requires_grad_(False)
-    started = time.time()
-    with prepared.unquantized():
-        store = capture_cell(
-            prepared.model, modules, cell_sequences(cfg, prepared), cfg.eval.batch_size
-        )
-    captured = time.time()
-    per_layer = []
-    for layer in tqdm(layers, desc="probes", leave=False):
-        cell = layer_cell(store, layer, modules[layer], prepared.adapter)
-        per_layer.append(study_layer(cell, spec, cfg, generator))
-    metrics = {"probes/layers": layers}
-    scalar_keys = [k for k in per_layer[0] if k not in ("observations", "interventions")]
-    for key in scalar_keys:
+    spec = prepared.policy.spec
+    _, per_layer, metrics = run_study(
+        cfg, prepared, "probes", lambda cell: study_layer(cell, spec, cfg, generator)
+    )
+    for key in (k for k in per_layer[0] if k not in ("observations", "interventions")):
         metrics[f"probes/{key}"] = [row[key] for row in per_layer]
     metrics["probes/observations"] = [row["observations"] for row in per_layer]
     for kind in INTERVENTIONS:
         metrics[f"probes/ratio_{kind}"] = [row["interventions"][kind] for row in per_layer]
-    metrics.update(
-        {
-            "probes/target_nmse": cfg.eval.target_nmse,
-            "probes/n_probes": cfg.eval.probes,
-            "probes/seconds_capture": captured - started,
-            "probes/seconds_per_layer": (time.time() - captured) / len(layers),
-            "probes/peak_memory_mib": peak_memory_mib(device),
-        }
-    )
+    metrics["probes/n_probes"] = cfg.eval.probes
     return metrics
 
 

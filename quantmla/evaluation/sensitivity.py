@@ -10,32 +10,10 @@ in `analysis/sensitivity.py` from the records.
 
 from __future__ import annotations
 
-import time
-
 import torch
-from tqdm.auto import tqdm
 
-from quantmla.evaluation.layer_study import (
-    PATH_NAMES,
-    capture_cell,
-    check_study_config,
-    layer_cell,
-    peak_memory_mib,
-    qdq_error,
-    rescale_to_nmse,
-    study_layers,
-)
+from quantmla.evaluation.layer_study import PATH_NAMES, qdq_error, rescale_to_nmse, run_study
 from quantmla.evaluation.nmse import nmse
-
-
-def cell_sequences(cfg, prepared) -> torch.Tensor:
-    """The job's cell: `eval.n_sequences` seeded non-overlapping windows of its one dataset."""
-    from quantmla.data import load_text, sensitivity_cell, tokenize
-
-    (dataset,) = cfg.eval.datasets
-    text = load_text(dataset, cfg.eval.splits[dataset], prepared.paths.data_dir)
-    ids = tokenize(text, prepared.tokenizer)
-    return sensitivity_cell(ids, cfg.seed, cfg.eval.n_sequences, cfg.eval.seqlen)
 
 
 @torch.no_grad()
@@ -47,31 +25,15 @@ def finite_response(cell, path: str, spec, target: float) -> float:
 
 
 def evaluate(cfg, prepared) -> dict:
-    modules, spec = prepared.modules, prepared.policy.spec
-    check_study_config(cfg, len(modules))
-    layers = study_layers(cfg, len(modules))
-    device = modules[0].o_proj.weight.device
-    started = time.time()
-    with prepared.unquantized():
-        store = capture_cell(
-            prepared.model, modules, cell_sequences(cfg, prepared), cfg.eval.batch_size
-        )
-    captured = time.time()
-    responses = {path: [] for path in cfg.eval.paths}
-    for layer in tqdm(layers, desc="sensitivity", leave=False):
-        cell = layer_cell(store, layer, modules[layer], prepared.adapter)
-        for path in cfg.eval.paths:
-            responses[path].append(finite_response(cell, path, spec, cfg.eval.target_nmse))
-    metrics = {f"sensitivity/R_{PATH_NAMES[p]}": r for p, r in responses.items()}
-    metrics.update(
-        {
-            "sensitivity/layers": layers,
-            "sensitivity/target_nmse": cfg.eval.target_nmse,
-            "sensitivity/seconds_capture": captured - started,
-            "sensitivity/seconds_per_layer": (time.time() - captured) / len(layers),
-            "sensitivity/peak_memory_mib": peak_memory_mib(device),
-        }
+    spec, paths, target = prepared.policy.spec, cfg.eval.paths, cfg.eval.target_nmse
+    _, results, metrics = run_study(
+        cfg,
+        prepared,
+        "sensitivity",
+        lambda cell: [finite_response(cell, path, spec, target) for path in paths],
     )
+    for i, path in enumerate(paths):
+        metrics[f"sensitivity/R_{PATH_NAMES[path]}"] = [row[i] for row in results]
     return metrics
 
 
