@@ -69,6 +69,30 @@ class CacheLayout:
     def page_bytes(self) -> int:
         return PAGE_TOKENS * self.token_bytes()
 
+    def sections(self) -> dict[str, tuple[int, int]]:
+        """Where each array lives inside a page: name -> (byte offset, bytes), structure of arrays
+        (all 64 tokens' content codes, then RoPE codes, then each metadata array), so a kernel
+        loads each kind contiguously. The sections tile the page exactly (the tail is padding)."""
+        s, t = self.spec, PAGE_TOKENS
+        arrays = [
+            ("content_codes", t * self._codes(self.d_c, s.content_bits)),
+            ("rope_codes", t * self._codes(self.d_r, s.rope_bits)),
+        ]
+        for path, dim, bits, meta in (
+            ("content", self.d_c, s.content_bits, s.content_meta_dtype),
+            ("rope", self.d_r, s.rope_bits, s.rope_meta_dtype),
+        ):
+            if bits < UNQUANTIZED_BITS:
+                groups = dim // s.group_size
+                arrays.append((f"{path}_scales", t * groups * META_DTYPE_BYTES[meta]))
+                arrays.append((f"{path}_zeros", t * groups * ZERO_POINT_BYTES))
+        out, offset = {}, 0
+        for name, size in arrays:
+            out[name] = (offset, size)
+            offset += size
+        out["padding"] = (offset, self.page_bytes() - offset)
+        return out
+
     def protection_bytes(self) -> int:
         return (
             (self.sink + self.recent) * (self.d_c + self.d_r) * BF16_BYTES if self.quantized else 0

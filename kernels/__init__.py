@@ -1,0 +1,1 @@
+"""Triton kernels and their PyTorch references (the systems half: packed paged latent cache)."""
