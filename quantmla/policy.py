@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from quantmla.errors import ConfigError
 from quantmla.spec import QuantizerSpec
@@ -35,8 +36,9 @@ class CachePolicy:
         if self.form not in FORMS:
             raise ConfigError("form", self.form, FORMS)
 
-    @property
+    @cached_property
     def spec(self) -> QuantizerSpec:
+        """Built once per policy (the patched forward reads it on every call)."""
         return QuantizerSpec.from_precision(
             self.precision,
             group_size=self.group_size,
