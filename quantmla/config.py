@@ -109,6 +109,15 @@ class EvalConfig:
     probes: int = opt(256, "Rademacher probes per path (probes kind)")
     probe_chunk: int = opt(16, "probes per vmapped VJP batch (bounds memory)")
     interventions: int = opt(16, "draws per equal-energy intervention (probes kind)")
+    # lm_eval / ruler
+    limit: int | None = opt(
+        None,
+        "smoke/CPU knob: lm_eval: documents per task (lm-eval's --limit, per MMLU subject); "
+        "ruler: samples per length (null: all / the paper's 500)",
+    )
+    data: str = opt("local", "local: tasks with documents in paths.data_dir read them; hub: upstream")
+    max_gen_toks: int | None = opt(None, "generation budget for every generate task (null: task's)")
+    apply_chat_template: bool = opt(False, "chat template (thinking disabled) for every prompt")
 
 
 @dataclass
@@ -211,6 +220,14 @@ def validate(cfg: RunConfig):
 
         resolve_data_dir(paths.data_dir)
     model_config = model_config_without_weights(cfg, paths)
+    if evaluator.kind in ("lm_eval", "ruler"):
+        from quantmla.data.sources import resolve_data_dir
+        from quantmla.evaluation.suites import check_essays, check_lm_eval, data_mode
+
+        data_dir = resolve_data_dir(paths.data_dir)
+        check_lm_eval(cfg.eval, getattr(model_config, "max_position_embeddings", None), data_dir)
+        if evaluator.kind == "ruler" and data_mode(cfg.eval, data_dir) == "local":
+            check_essays(paths.data_dir)
     if evaluator.kind in ("sensitivity", "probes"):
         from quantmla.evaluation.layer_study import check_study_config, mla_layer_count
 

@@ -1,0 +1,115 @@
+"""eval.kind=lm_eval: the Table 1 / Table 2 suites on lm-eval's own machinery.
+
+`lm_eval.simple_evaluate` runs lm-eval's tasks (or the project's local-document variants of them)
+on `HFLM` wrapping the already prepared model: patched cache, fused transforms, checked
+equivalence. Nothing here scores anything itself."""
+
+from __future__ import annotations
+
+import logging
+
+from quantmla.evaluation.suites import TASKS, TASKS_DIR, data_mode
+
+
+def task_manager(metadata: dict):
+    """lm-eval's index of its own tasks plus the project's (quantmla/evaluation/lm_tasks);
+    `metadata` reaches every task's `custom_dataset` (e.g. data_dir)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(TASKS_DIR), metadata=metadata)
+
+
+def wrap_model(cfg, prepared, max_length: int | None = None):
+    from lm_eval.models.huggingface import HFLM
+
+    return HFLM(
+        pretrained=prepared.model,
+        tokenizer=prepared.tokenizer,
+        batch_size=cfg.eval.batch_size,
+        max_length=max_length,
+        device=str(next(prepared.model.parameters()).device),
+        enable_thinking=False if cfg.eval.apply_chat_template else None,
+    )
+
+
+def run_lm_eval(cfg, prepared, specs: list[str], metadata: dict, limit=None, max_length=None):
+    """One `simple_evaluate` call; returns lm-eval's results dict."""
+    from lm_eval import simple_evaluate
+
+    import datasets
+
+    datasets.disable_progress_bars()  # document mapping; lm-eval's own bars show the work
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    logging.getLogger("lm_eval.api.task").setLevel(logging.ERROR)  # a custom_dataset notice per task
+    ev = cfg.eval
+    return simple_evaluate(
+        model=wrap_model(cfg, prepared, max_length),
+        tasks=specs,
+        limit=limit,
+        task_manager=task_manager(metadata),
+        gen_kwargs={"max_gen_toks": ev.max_gen_toks} if ev.max_gen_toks else None,
+        apply_chat_template=ev.apply_chat_template,
+        log_samples=False,
+        bootstrap_iters=1000,
+        confirm_run_unsafe_code=any(TASKS[t].code for t in ev.tasks if t in TASKS),
+        random_seed=cfg.seed,
+        numpy_random_seed=cfg.seed,
+        torch_random_seed=cfg.seed,
+        fewshot_random_seed=1234,  # lm-eval's default: identical few-shot draws across methods
+    )
+
+
+def _number(value):
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def evaluate(cfg, prepared) -> dict:
+    """acc/<task> (the paper's metric, in %), acc_stderr/<task>, n/<task>, and acc/avg."""
+    import lm_eval
+
+    ev = cfg.eval
+    tasks = [TASKS[name] for name in ev.tasks]
+    data = data_mode(ev, prepared.paths.data_dir)
+    results = run_lm_eval(
+        cfg,
+        prepared,
+        [t.spec(data) for t in tasks],
+        {"data_dir": str(prepared.paths.data_dir)},
+        limit=ev.limit,
+    )
+    metrics: dict = {"lm_eval/version": lm_eval.__version__, "lm_eval/limit": ev.limit}
+    metric_name, _, filt = "", "", ""
+    for t in tasks:
+        key = t.spec(data) if t.name == "mmlu" else t.upstream
+        row = results["results"][key]
+        metric_name, _, filt = t.metric.partition(",")
+        value = _number(row.get(t.metric))
+        if value is None:
+            raise KeyError(f"lm-eval reported no {t.metric} for {key}: {sorted(row)}")
+        metrics[f"acc/{t.name}"] = 100 * value
+        stderr = _number(row.get(f"{metric_name}_stderr,{filt}"))
+        if stderr is not None:
+            metrics[f"acc_stderr/{t.name}"] = 100 * stderr
+        n = results.get("n-samples", {}).get(key, {}).get("effective")
+        if n is None:  # a group (MMLU): its members' documents
+            n = sum(
+                s.get("effective", 0)
+                for name, s in results.get("n-samples", {}).items()
+                if name in results.get("group_subtasks", {}).get(key, [])
+            )
+        metrics[f"n/{t.name}"] = int(n)
+    metrics["acc/avg"] = sum(metrics[f"acc/{t.name}"] for t in tasks) / len(tasks)
+    return metrics
+
+
+def format_table(record: dict) -> str:
+    m = record["metrics"]
+    lines = [f"{'task':<18}{'metric %':>10}{'± stderr':>10}{'docs':>8}"]
+    for name in record["config"]["eval"]["tasks"]:
+        stderr = m.get(f"acc_stderr/{name}")
+        lines.append(
+            f"{TASKS[name].label:<18}{m[f'acc/{name}']:>10.2f}"
+            f"{'' if stderr is None else f'{stderr:.2f}':>10}{m.get(f'n/{name}', 0):>8}"
+        )
+    lines.append(f"{'average':<18}{m['acc/avg']:>10.2f}")
+    return "\n".join(lines)

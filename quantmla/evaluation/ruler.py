@@ -1,0 +1,53 @@
+"""eval.kind=ruler: RULER S-NIAH-1/2/3 (Fig. 4) through lm-eval's `niah_single_*` tasks.
+
+With eval.data=local (default) the samples come from quantmla.evaluation.niah (local essays, the
+model's tokenizer, `eval.limit` samples per length, default 500 as in the paper); greedy decoding
+through the prepared model's cache."""
+
+from __future__ import annotations
+
+from quantmla.evaluation.suites import RULER_TASKS, data_mode
+
+PAPER_SAMPLES = 500
+
+
+def evaluate(cfg, prepared) -> dict:
+    """ruler/<task>/<length> and ruler/<task>/avg: string-match accuracy in %."""
+    from quantmla.evaluation.lm_eval_suite import run_lm_eval
+
+    ev = cfg.eval
+    local = data_mode(ev, prepared.paths.data_dir) == "local"
+    specs = [f"quantmla_{RULER_TASKS[t]}" if local else RULER_TASKS[t] for t in ev.tasks]
+    metadata = {
+        "data_dir": str(prepared.paths.data_dir),
+        "tokenizer": str(prepared.paths.checkpoint(cfg.model.path)),
+        "max_seq_lengths": list(ev.context_lengths),
+        "num_samples": ev.limit or PAPER_SAMPLES,
+        "seed": cfg.seed,
+    }
+    results = run_lm_eval(
+        cfg,
+        prepared,
+        specs,
+        metadata,
+        limit=None if local else ev.limit,
+        max_length=max(ev.context_lengths),
+    )
+    metrics: dict = {"ruler/samples_per_length": metadata["num_samples"]}
+    for task in ev.tasks:
+        row = results["results"][RULER_TASKS[task]]
+        scores = [100 * float(row[f"{length},none"]) for length in ev.context_lengths]
+        for length, score in zip(ev.context_lengths, scores):
+            metrics[f"ruler/{task}/{length}"] = score
+        metrics[f"ruler/{task}/avg"] = sum(scores) / len(scores)
+    return metrics
+
+
+def format_table(record: dict) -> str:
+    m, ev = record["metrics"], record["config"]["eval"]
+    lengths = ev["context_lengths"]
+    lines = [f"{'task':<10}" + "".join(f"{length:>9}" for length in lengths) + f"{'avg':>9}"]
+    for task in ev["tasks"]:
+        cells = "".join(f"{m[f'ruler/{task}/{length}']:>9.2f}" for length in lengths)
+        lines.append(f"{task:<10}{cells}{m[f'ruler/{task}/avg']:>9.2f}")
+    return "\n".join(lines)

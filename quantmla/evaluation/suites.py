@@ -1,0 +1,135 @@
+"""The lm-eval tasks of Tables 1 and 2 and of Fig. 4 (light: no lm-eval import).
+
+Each column names the upstream lm-eval task it runs and the paper's metric; tasks whose documents
+are in the local data folder also name the project task (quantmla/evaluation/lm_tasks/) that runs
+the same upstream task on them. `eval.data=local` (default) uses those, `eval.data=hub` the
+upstream documents."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from quantmla.errors import ConfigError, DataNotFoundError
+
+TASKS_DIR = Path(__file__).parent / "lm_tasks"
+CODE_EVAL_ENV = "HF_ALLOW_CODE_EVAL"  # lm-eval's own opt-in for executing model-written code
+
+
+@dataclass(frozen=True)
+class SuiteTask:
+    name: str  # column: metric keys acc/<name>, acc_stderr/<name>
+    label: str  # paper's column header
+    upstream: str  # lm-eval task or group
+    metric: str  # lm-eval "<metric>,<filter>"
+    hub: str  # the dataset upstream reads
+    local: str | None = None  # project group reading <data_dir>; None: hub only
+    code: bool = False  # executes model-written code
+
+    def spec(self, data: str) -> str:
+        return self.local if data == "local" and self.local else self.upstream
+
+
+def _t(name, label, upstream, metric, hub, local=None, code=False) -> SuiteTask:
+    return SuiteTask(name, label, upstream, metric, hub, local, code)
+
+
+TASKS: dict[str, SuiteTask] = {
+    t.name: t
+    for t in (
+        _t("hellaswag", "HellaSwag", "hellaswag", "acc_norm,none", "Rowan/hellaswag", "quantmla_hellaswag"),
+        _t("piqa", "PIQA", "piqa", "acc_norm,none", "baber/piqa", "quantmla_piqa"),
+        _t("arc_easy", "ARC-E", "arc_easy", "acc_norm,none", "allenai/ai2_arc", "quantmla_arc_easy"),
+        _t("arc_challenge", "ARC-C", "arc_challenge", "acc_norm,none", "allenai/ai2_arc", "quantmla_arc_challenge"),
+        _t("winogrande", "WinoGrande", "winogrande", "acc,none", "allenai/winogrande", "quantmla_winogrande"),
+        _t("mmlu", "MMLU", "mmlu", "acc,none", "cais/mmlu", "quantmla_mmlu"),
+        _t("gsm8k", "GSM8K", "gsm8k", "exact_match,strict-match", "openai/gsm8k", "quantmla_gsm8k"),
+        _t("fda", "FDA", "fda", "contains,none", "hazyresearch/based-fda"),
+        _t("swde", "SWDE", "swde", "contains,none", "hazyresearch/based-swde-v2"),
+        _t("squad_completion", "SQuAD", "squad_completion", "contains,none", "hazyresearch/based-squad"),
+        _t("gpqa_diamond", "GPQA-D", "gpqa_diamond_zeroshot", "acc,none", "Idavidrein/gpqa"),
+        _t("math500", "MATH500", "minerva_math500", "math_verify,none", "HuggingFaceH4/MATH-500"),
+        _t("aime25", "AIME25", "aime25", "exact_match,none", "math-ai/aime25"),
+        _t("humaneval", "HumanEval", "humaneval", "pass@1,create_test", "openai/openai_humaneval", code=True),
+        _t("livecodebench", "LCB", "quantmla_livecodebench", "pass@1,none", "livecodebench/code_generation_lite", code=True),
+    )
+}
+
+RULER_TASKS = {"s_niah_1": "niah_single_1", "s_niah_2": "niah_single_2", "s_niah_3": "niah_single_3"}
+RULER_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)  # the YAMLs' metrics
+DATA_MODES = ("local", "hub")
+
+
+def _offline() -> bool:
+    flags = (os.environ.get(k, "").lower() for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    return any(f in ("1", "true", "yes", "on") for f in flags)
+
+
+def _in_hub_cache(repo: str) -> bool:
+    """Whether the datasets hub cache already holds `repo` (so it loads offline)."""
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    return (Path(HF_HUB_CACHE) / f"datasets--{repo.replace('/', '--')}").is_dir()
+
+
+def data_mode(ev, data_dir) -> str:
+    """eval.data, except that without a local data folder every task reads the hub."""
+    return ev.data if data_dir is not None else "hub"
+
+
+def check_lm_eval(ev, max_positions: int | None, data_dir) -> None:
+    """eval.* of an lm_eval or ruler job, before anything loads: one line per fault."""
+    if ev.data not in DATA_MODES:
+        raise ConfigError("eval.data", ev.data, DATA_MODES)
+    if ev.limit is not None and ev.limit <= 0:
+        raise ConfigError("eval.limit", ev.limit, "null (every document) or >= 1")
+    if not ev.tasks:
+        raise ConfigError("eval.tasks", [], "at least one task")
+    if ev.kind == "ruler":
+        for task in ev.tasks:
+            if task not in RULER_TASKS:
+                raise ConfigError("eval.tasks", task, tuple(RULER_TASKS))
+        if not ev.context_lengths:
+            raise ConfigError("eval.context_lengths", [], RULER_LENGTHS)
+        for length in ev.context_lengths:
+            if length not in RULER_LENGTHS:
+                raise ConfigError("eval.context_lengths", length, RULER_LENGTHS)
+            if max_positions is not None and length > max_positions:
+                raise ConfigError(
+                    "eval.context_lengths",
+                    length,
+                    f"lengths <= the model's max_position_embeddings ({max_positions})",
+                )
+        return
+    for name in ev.tasks:
+        if name not in TASKS:
+            raise ConfigError("eval.tasks", name, tuple(TASKS))
+    code = [n for n in ev.tasks if TASKS[n].code]
+    if code and os.environ.get(CODE_EVAL_ENV) != "1":
+        raise ConfigError(
+            "eval.tasks",
+            code,
+            f"tasks that do not execute model-written code, or opt in with {CODE_EVAL_ENV}=1 "
+            "(runs it in a subprocess with time/memory limits and no network)",
+        )
+    if _offline():
+        for name in ev.tasks:
+            task = TASKS[name]
+            if task.spec(data_mode(ev, data_dir)) == task.upstream and not _in_hub_cache(task.hub):
+                raise DataNotFoundError(
+                    f"eval.tasks: {name!r} reads {task.hub} from the hub, which is offline and "
+                    "not cached; run once online (the datasets cache keeps it)"
+                    + (", or use eval.data=local" if task.local else "")
+                )
+
+
+def check_essays(data_dir) -> None:
+    from quantmla.evaluation.niah import essays_folder
+
+    folder = essays_folder(data_dir)
+    if not any(folder.glob("*.txt")):
+        raise DataNotFoundError(
+            f"RULER's haystack: no essays (*.txt) in {folder}; put the Paul Graham essays there "
+            "(see shared/data/niah-paul-graham-essays) or set paths.data_dir"
+        )
