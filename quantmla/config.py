@@ -115,7 +115,9 @@ class EvalConfig:
         "smoke/CPU knob: lm_eval: documents per task (lm-eval's --limit, per MMLU subject); "
         "ruler: samples per length (null: all / the paper's 500)",
     )
-    data: str = opt("local", "local: tasks with documents in paths.data_dir read them; hub: upstream")
+    data: str = opt(
+        "local", "local: tasks with documents in paths.data_dir read them; hub: upstream"
+    )
     max_gen_toks: int | None = opt(None, "generation budget for every generate task (null: task's)")
     apply_chat_template: bool = opt(False, "chat template (thinking disabled) for every prompt")
 

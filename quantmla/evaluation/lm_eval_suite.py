@@ -34,13 +34,14 @@ def wrap_model(cfg, prepared, max_length: int | None = None):
 
 def run_lm_eval(cfg, prepared, specs: list[str], metadata: dict, limit=None, max_length=None):
     """One `simple_evaluate` call; returns lm-eval's results dict."""
-    from lm_eval import simple_evaluate
-
     import datasets
+    from lm_eval import simple_evaluate
 
     datasets.disable_progress_bars()  # document mapping; lm-eval's own bars show the work
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    logging.getLogger("lm_eval.api.task").setLevel(logging.ERROR)  # a custom_dataset notice per task
+    logging.getLogger("lm_eval.api.task").setLevel(
+        logging.ERROR
+    )  # a custom_dataset notice per task
     ev = cfg.eval
     return simple_evaluate(
         model=wrap_model(cfg, prepared, max_length),
@@ -80,7 +81,7 @@ def evaluate(cfg, prepared) -> dict:
     metrics: dict = {"lm_eval/version": lm_eval.__version__, "lm_eval/limit": ev.limit}
     metric_name, _, filt = "", "", ""
     for t in tasks:
-        key = t.spec(data) if t.name == "mmlu" else t.upstream
+        key = t.result_key(data)
         row = results["results"][key]
         metric_name, _, filt = t.metric.partition(",")
         value = _number(row.get(t.metric))

@@ -145,7 +145,9 @@ def generate(
     for index in range(num_samples):
         n = n_ref + 8  # needles differ by a few tokens: start a little above, shrink to fit
         while True:
-            sample = make_sample(variant, n, random.Random(f"{seed}-{max_seq_length}-{index}"), data_dir)
+            sample = make_sample(
+                variant, n, random.Random(f"{seed}-{max_seq_length}-{index}"), data_dir
+            )
             length = _length(tokenizer, sample)
             if length <= budget or n == 1:
                 break

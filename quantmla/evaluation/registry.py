@@ -47,7 +47,9 @@ EVALUATORS: dict[str, Evaluator] = {
             needs_model=False,
             needs_data=False,
         ),
-        Evaluator("lm_eval", "quantmla.evaluation.lm_eval_suite", "lm-eval suites of Tables 1 and 2"),
+        Evaluator(
+            "lm_eval", "quantmla.evaluation.lm_eval_suite", "lm-eval suites of Tables 1 and 2"
+        ),
         Evaluator("ruler", "quantmla.evaluation.ruler", "RULER S-NIAH (Fig. 4)"),
         Evaluator(
             "sensitivity",

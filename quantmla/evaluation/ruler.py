@@ -11,11 +11,28 @@ from quantmla.evaluation.suites import RULER_TASKS, data_mode
 PAPER_SAMPLES = 500
 
 
+def import_upstream_ruler_quietly() -> None:
+    """lm-eval's upstream niah YAMLs import prepare_niah, which tries to download nltk's punkt at
+    import and prints that it did; our samples never use nltk: import it with the download off."""
+    import contextlib
+    import io
+    from unittest import mock
+
+    import nltk
+
+    with (
+        mock.patch.object(nltk, "download", lambda *a, **k: False),
+        contextlib.redirect_stdout(io.StringIO()),
+    ):
+        import lm_eval.tasks.ruler.prepare_niah  # noqa: F401
+
+
 def evaluate(cfg, prepared) -> dict:
     """ruler/<task>/<length> and ruler/<task>/avg: string-match accuracy in %."""
     from quantmla.evaluation.lm_eval_suite import run_lm_eval
 
     ev = cfg.eval
+    import_upstream_ruler_quietly()
     local = data_mode(ev, prepared.paths.data_dir) == "local"
     specs = [f"quantmla_{RULER_TASKS[t]}" if local else RULER_TASKS[t] for t in ev.tasks]
     metadata = {

@@ -26,37 +26,101 @@ class SuiteTask:
     hub: str  # the dataset upstream reads
     local: str | None = None  # project group reading <data_dir>; None: hub only
     code: bool = False  # executes model-written code
+    num_fewshot: int | None = None  # set where upstream's YAML leaves it to the command line
 
-    def spec(self, data: str) -> str:
+    def spec(self, data: str) -> str | dict:
+        """What lm-eval loads: the local group (which states its own shots), the upstream task,
+        or the upstream task/group wrapped with `num_fewshot`."""
+        if data == "local" and self.local:
+            return self.local
+        if self.num_fewshot is None:
+            return self.upstream
+        kind = "group" if self.result_key(data) == self.upstream else "task"
+        return {
+            "group": f"quantmla_hub_{self.name}",
+            "task": [{kind: self.upstream, "num_fewshot": self.num_fewshot}],
+        }
+
+    def result_key(self, data: str) -> str:
+        """Where lm-eval's results hold the metric: MMLU's group, else the (upstream) task."""
+        if self.name != "mmlu":
+            return self.upstream
         return self.local if data == "local" and self.local else self.upstream
 
 
-def _t(name, label, upstream, metric, hub, local=None, code=False) -> SuiteTask:
-    return SuiteTask(name, label, upstream, metric, hub, local, code)
+def _t(name, label, upstream, metric, hub, local=None, code=False, shots=None) -> SuiteTask:
+    return SuiteTask(name, label, upstream, metric, hub, local, code, shots)
 
 
 TASKS: dict[str, SuiteTask] = {
     t.name: t
     for t in (
-        _t("hellaswag", "HellaSwag", "hellaswag", "acc_norm,none", "Rowan/hellaswag", "quantmla_hellaswag"),
+        _t(
+            "hellaswag",
+            "HellaSwag",
+            "hellaswag",
+            "acc_norm,none",
+            "Rowan/hellaswag",
+            "quantmla_hellaswag",
+        ),
         _t("piqa", "PIQA", "piqa", "acc_norm,none", "baber/piqa", "quantmla_piqa"),
-        _t("arc_easy", "ARC-E", "arc_easy", "acc_norm,none", "allenai/ai2_arc", "quantmla_arc_easy"),
-        _t("arc_challenge", "ARC-C", "arc_challenge", "acc_norm,none", "allenai/ai2_arc", "quantmla_arc_challenge"),
-        _t("winogrande", "WinoGrande", "winogrande", "acc,none", "allenai/winogrande", "quantmla_winogrande"),
-        _t("mmlu", "MMLU", "mmlu", "acc,none", "cais/mmlu", "quantmla_mmlu"),
+        _t(
+            "arc_easy", "ARC-E", "arc_easy", "acc_norm,none", "allenai/ai2_arc", "quantmla_arc_easy"
+        ),
+        _t(
+            "arc_challenge",
+            "ARC-C",
+            "arc_challenge",
+            "acc_norm,none",
+            "allenai/ai2_arc",
+            "quantmla_arc_challenge",
+        ),
+        _t(
+            "winogrande",
+            "WinoGrande",
+            "winogrande",
+            "acc,none",
+            "allenai/winogrande",
+            "quantmla_winogrande",
+        ),
+        _t("mmlu", "MMLU", "mmlu", "acc,none", "cais/mmlu", "quantmla_mmlu", shots=5),
         _t("gsm8k", "GSM8K", "gsm8k", "exact_match,strict-match", "openai/gsm8k", "quantmla_gsm8k"),
         _t("fda", "FDA", "fda", "contains,none", "hazyresearch/based-fda"),
         _t("swde", "SWDE", "swde", "contains,none", "hazyresearch/based-swde-v2"),
-        _t("squad_completion", "SQuAD", "squad_completion", "contains,none", "hazyresearch/based-squad"),
+        _t(
+            "squad_completion",
+            "SQuAD",
+            "squad_completion",
+            "contains,none",
+            "hazyresearch/based-squad",
+        ),
         _t("gpqa_diamond", "GPQA-D", "gpqa_diamond_zeroshot", "acc,none", "Idavidrein/gpqa"),
         _t("math500", "MATH500", "minerva_math500", "math_verify,none", "HuggingFaceH4/MATH-500"),
         _t("aime25", "AIME25", "aime25", "exact_match,none", "math-ai/aime25"),
-        _t("humaneval", "HumanEval", "humaneval", "pass@1,create_test", "openai/openai_humaneval", code=True),
-        _t("livecodebench", "LCB", "quantmla_livecodebench", "pass@1,none", "livecodebench/code_generation_lite", code=True),
+        _t(
+            "humaneval",
+            "HumanEval",
+            "humaneval",
+            "pass@1,create_test",
+            "openai/openai_humaneval",
+            code=True,
+        ),
+        _t(
+            "livecodebench",
+            "LCB",
+            "quantmla_livecodebench",
+            "pass@1,none",
+            "livecodebench/code_generation_lite",
+            code=True,
+        ),
     )
 }
 
-RULER_TASKS = {"s_niah_1": "niah_single_1", "s_niah_2": "niah_single_2", "s_niah_3": "niah_single_3"}
+RULER_TASKS = {
+    "s_niah_1": "niah_single_1",
+    "s_niah_2": "niah_single_2",
+    "s_niah_3": "niah_single_3",
+}
 RULER_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)  # the YAMLs' metrics
 DATA_MODES = ("local", "hub")
 

@@ -1,0 +1,384 @@
+"""The lm-eval suites and RULER: local tasks build upstream's prompts, score documents on the tiny
+model and reach the store; RULER samples are deterministic, sized and hold one needle; bad input
+stops before anything loads."""
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from quantmla.errors import ConfigError, DataNotFoundError
+from quantmla.evaluation import niah
+from quantmla.evaluation.lm_tasks import local_docs
+from quantmla.evaluation.suites import TASKS, TASKS_DIR
+from tests.conftest import DATA_DIR, TINY_MLA, needs_tiny, run_config
+
+pytestmark = pytest.mark.skipif(not DATA_DIR.is_dir(), reason="needs the shared data")
+
+
+@pytest.fixture(scope="module")
+def manager():
+    from quantmla.evaluation.lm_eval_suite import task_manager
+
+    return task_manager({"data_dir": str(DATA_DIR)})
+
+
+def requests(manager, spec, limit=None, only=None) -> dict[str, list[tuple]]:
+    """Every request lm-eval would send to the model, per task (or for task `only`)."""
+    out = {}
+    for name, task in manager.load([spec])["tasks"].items():
+        if only not in (None, name):
+            continue
+        task.set_fewshot_seed(seed=1234)  # what simple_evaluate does (our evaluator's seed)
+        task.build_all_requests(limit=limit)
+        out[name] = [inst.arguments for inst in task.instances]
+    return out
+
+
+def upstream_with(task: str, docs, **overrides):
+    """lm-eval's own task `task`, unchanged but for its documents (given in upstream's fields) and
+    `overrides` the suite states too (splits the data does not have, MMLU's 5 shots)."""
+    return {
+        "group": f"upstream_{task}",
+        "task": [{"task": task, "custom_dataset": docs, **overrides}],
+    }
+
+
+def _jsonl(path):
+    return [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
+
+
+def test_piqa_local_prompts_equal_upstream_prompts(manager):
+    folder = DATA_DIR / "piqa"
+    labels = (folder / "valid-labels.lst").read_text().split()
+    rows = [{**d, "label": int(y)} for d, y in zip(_jsonl(folder / "valid.jsonl"), labels)]
+    upstream = requests(
+        manager,
+        upstream_with("piqa", lambda **_: local_docs._splits(validation=rows), training_split=None),
+    )
+    local = requests(manager, "quantmla_piqa")
+    assert len(local["piqa"]) == 2 * 1838
+    assert local == upstream
+
+
+def test_gsm8k_local_prompts_equal_upstream_prompts_with_5_shots(manager):
+    folder = DATA_DIR / "gsm8k"
+    docs = lambda **_: local_docs._splits(  # noqa: E731
+        train=_jsonl(folder / "train.jsonl"), test=_jsonl(folder / "test.jsonl")
+    )
+    upstream = requests(manager, upstream_with("gsm8k", docs), limit=6)
+    local = requests(manager, "quantmla_gsm8k", limit=6)
+    assert local == upstream
+    context = local["gsm8k"][0][0]
+    assert context.count("Question:") == 6  # 5 exemplars + the question
+
+
+def test_mmlu_converted_files_build_the_original_format_prompts(manager):
+    """The converted CSVs (what the local task reads) and hendrycks' original CSVs, through
+    upstream's mmlu_high_school_chemistry: identical 5-shot prompts for all 203 questions."""
+    subject = "high_school_chemistry"
+    original = DATA_DIR / "mmlu" / "original_format_subset"
+    files = {p.name: p for p in original.rglob("*.csv")}
+    docs = lambda **_: local_docs._splits(  # noqa: E731
+        test=local_docs.mmlu_rows_original(files[f"{subject}_test.csv"], subject),
+        dev=local_docs.mmlu_rows_original(files[f"{subject}_dev.csv"], subject),
+    )
+    upstream = requests(manager, upstream_with(f"mmlu_{subject}", docs, num_fewshot=5))
+    local = requests(manager, "quantmla_mmlu", only=f"mmlu_{subject}")
+    assert len(local[f"mmlu_{subject}"]) == 4 * 203
+    assert local == upstream
+    assert local[f"mmlu_{subject}"][0][0].count("\nAnswer:") == 6
+
+
+def test_local_mmlu_group_lists_every_upstream_subject(manager):
+    upstream = sorted(
+        n
+        for n in manager.all_subtasks
+        if n.startswith("mmlu_")
+        and (Path(manager.task_index[n].yaml_path).parent.name == "default")
+    )
+    text = (TASKS_DIR / "quantmla_mmlu.yaml").read_text()
+    assert len(upstream) == 57
+    assert (
+        sorted(
+            line.split("task: ")[1].split(",")[0]
+            for line in text.splitlines()
+            if "{task: mmlu_" in line
+        )
+        == upstream
+    )
+
+
+def test_arc_llm_foundry_file_builds_the_original_format_prompts(manager):
+    """ARC-Challenge: llm-foundry's copy (read by the local task) vs AI2's original jsonl (1,150
+    of 1,172 questions), both through upstream's arc_challenge: identical requests per question."""
+    original = local_docs.arc_rows_original(
+        DATA_DIR / "arc" / "original_format_partial" / "ARC-Challenge-Test.jsonl"
+    )
+    local_rows = local_docs.arc_rows_llm_foundry(
+        DATA_DIR / "arc" / "llm-foundry_icl" / "arc_challenge_test.jsonl"
+    )
+    upstream = requests(
+        manager,
+        upstream_with(
+            "arc_challenge",
+            lambda **_: local_docs._splits(test=original),
+            training_split=None,
+            validation_split=None,
+        ),
+    )
+    local = requests(manager, "quantmla_arc_challenge")
+
+    def by_question(reqs, rows):
+        grouped, i = {}, 0
+        for row in rows:
+            n = len(row["choices"]["text"])
+            grouped.setdefault(row["question"], []).append(reqs[i : i + n])
+            i += n
+        return grouped
+
+    up = by_question(upstream["arc_challenge"], original)
+    lo = by_question(local["arc_challenge"], local_rows)
+    unique = [q for q in up if len(up[q]) == 1 and len(lo.get(q, [])) == 1]
+    four = [q for q in unique if len(up[q][0]) == 4]
+    assert len(unique) >= 1140
+    assert all(up[q] == lo[q] for q in four)
+    # llm-foundry always has 4 choices: 3-choice questions gain a duplicate, 5-choice lose one
+    assert len(unique) - len(four) == 6 and all(up[q] != lo[q] for q in unique if q not in four)
+
+
+def test_winogrande_and_hellaswag_local_requests(manager):
+    """Formats that cannot be compared with upstream's fields: the requests are what the README
+    says — WinoGrande partial scoring on llm-foundry's split sentence, HellaSwag upstream's
+    preprocessing of llama.cpp's `label: context` line."""
+    wino = requests(manager, "quantmla_winogrande", limit=2)["winogrande"]
+    first = _jsonl(DATA_DIR / "winogrande" / "llm-foundry_icl" / "winogrande_dev.jsonl")[0]
+    assert wino[:2] == [(opt, " " + first["continuation"]) for opt in first["context_options"]]
+    hella = requests(manager, "quantmla_hellaswag", limit=1)["hellaswag"]
+    lines = (DATA_DIR / "hellaswag" / "hellaswag_val_full.txt").read_text().split("\n")[:6]
+    assert [r[0] for r in hella] == [lines[0]] * 4
+    assert [r[1] for r in hella] == [" " + e for e in lines[2:6]]
+
+
+def test_every_suite_task_names_an_upstream_task(manager):
+    for task in TASKS.values():
+        if task.upstream.startswith("quantmla_"):
+            continue
+        assert task.upstream in manager.all_tasks, task.name
+        if task.local:
+            assert task.local in manager.all_tasks
+
+
+@needs_tiny
+def test_local_tasks_score_4_documents_on_the_tiny_model_and_reach_the_store(tmp_path, monkeypatch):
+    """A job killed inside lm-eval leaves no record; the rerun computes it: every local task but
+    MMLU (next test; all 57 subjects: -m slow) scored on 4 documents, metrics in the record."""
+    import lm_eval
+
+    from quantmla.run import run
+    from quantmla.tracking.store import load_records
+
+    overrides = [
+        f"paths.results_dir={tmp_path}",
+        f"paths.data_dir={DATA_DIR}",
+        "model=tiny_mla",
+        "eval=table1_suite",
+        "eval.tasks=[hellaswag,piqa,arc_easy,arc_challenge,winogrande,gsm8k]",
+        "eval.limit=4",
+        "eval.max_gen_toks=16",
+        "logger=none",
+    ]
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(lm_eval, "simple_evaluate", killed)
+        with pytest.raises(KeyboardInterrupt):
+            run(run_config(*overrides))
+    assert not list(tmp_path.rglob("result.json"))
+    record = run(run_config(*overrides))
+    m = record["metrics"]
+    for name in ("hellaswag", "piqa", "arc_easy", "arc_challenge", "winogrande", "gsm8k"):
+        assert m[f"n/{name}"] == 4
+        assert 0 <= m[f"acc/{name}"] <= 100
+        assert f"acc_stderr/{name}" in m
+    assert m["acc/avg"] == pytest.approx(
+        sum(m[f"acc/{n}"] for n in record["config"]["eval"]["tasks"]) / 6
+    )
+    assert [r["metrics"]["acc/avg"] for r in load_records(tmp_path)] == [m["acc/avg"]]
+
+
+@needs_tiny
+def test_local_mmlu_subject_scores_4_documents_5_shot_on_the_tiny_model(manager):
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(TINY_MLA)
+    lm = HFLM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(TINY_MLA), device="cpu")
+    spec = {
+        "group": "one_subject",
+        "task": [
+            {
+                "task": "mmlu_anatomy",
+                "custom_dataset": local_docs.mmlu,
+                "dataset_kwargs": {"subject": "anatomy"},
+                "num_fewshot": 5,
+            }
+        ],
+    }
+    out = simple_evaluate(model=lm, tasks=[spec], limit=4, task_manager=manager, log_samples=False)
+    assert out["n-samples"]["mmlu_anatomy"]["effective"] == 4
+    assert out["results"]["mmlu_anatomy"]["acc,none"] in (0, 0.25, 0.5, 0.75, 1)
+
+
+@pytest.mark.slow
+@needs_tiny
+def test_table1_local_suite_with_all_mmlu_subjects_on_the_tiny_model(tmp_path):
+    from quantmla.run import run
+
+    record = run(
+        run_config(
+            f"paths.results_dir={tmp_path}",
+            f"paths.data_dir={DATA_DIR}",
+            "model=tiny_mla",
+            "eval=table1_suite",
+            "eval.tasks=[hellaswag,piqa,arc_easy,arc_challenge,winogrande,mmlu,gsm8k]",
+            "eval.limit=4",
+            "eval.max_gen_toks=16",
+            "logger=none",
+        )
+    )
+    assert record["metrics"]["n/mmlu"] == 4 * 57  # lm-eval's limit is per subject
+
+
+# --------------------------------------------------------------------------------------- RULER
+
+
+def _upstream_source(name: str) -> str:
+    import lm_eval
+
+    return (Path(lm_eval.__file__).parent / "tasks" / "ruler" / name).read_text()
+
+
+def _constant(source: str, name: str):
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == name:
+            return ast.literal_eval(node.value)
+    raise KeyError(name)
+
+
+def test_niah_template_needle_and_haystack_are_rulers():
+    assert _constant(_upstream_source("niah_utils.py"), "TEMPLATE") == niah.TEMPLATE
+    prepare = _upstream_source("prepare_niah.py")
+    assert _constant(prepare, "NEEDLE") == niah.NEEDLE
+    assert f'haystack = "{niah.REPEAT_HAYSTACK}"' in prepare
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(TINY_MLA)
+
+
+@needs_tiny
+@pytest.mark.parametrize("variant", sorted(niah.VARIANTS))
+def test_niah_samples_are_deterministic_sized_and_hold_one_needle(variant, tokenizer):
+    for length in (512, 2048):
+        samples = niah.generate(variant, length, tokenizer, DATA_DIR, 4, seed=7)
+        assert samples == niah.generate(variant, length, tokenizer, DATA_DIR, 4, seed=7)
+        assert samples != niah.generate(variant, length, tokenizer, DATA_DIR, 4, seed=8)
+        for s in samples:
+            tokens = len(tokenizer(s["input"]).input_ids) + 128
+            assert s["length"] == tokens and 0.98 * length <= tokens <= length
+            assert s["input"].count(s["needle"]) == 1
+            assert s["input"].count(s["outputs"][0]) == 1
+            assert s["gen_prefix"].endswith("mentioned in the provided text is")
+
+
+def test_niah_needle_depths_cover_the_haystack(tokenizer):
+    words = niah.haystack_words("essay", 3000, DATA_DIR)
+    positions = []
+    for depth in (0, 50, 100):
+        text = niah.insert_needle(words, "NEEDLE.", depth)
+        positions.append(text.index("NEEDLE.") / len(text))
+    assert positions[0] == 0 and 0.4 < positions[1] < 0.6 and positions[2] > 0.99
+
+
+@needs_tiny
+def test_ruler_job_scores_each_task_and_length_into_the_record(tmp_path, capsys):
+    from quantmla.run import run
+
+    record = run(
+        run_config(
+            f"paths.results_dir={tmp_path}",
+            f"paths.data_dir={DATA_DIR}",
+            "model=tiny_mla",
+            "eval=ruler",
+            "eval.context_lengths=[512,1024]",
+            "eval.limit=1",
+            "eval.max_gen_toks=4",
+            "logger=none",
+        )
+    )
+    m = record["metrics"]
+    assert m["ruler/samples_per_length"] == 1
+    for task in ("s_niah_1", "s_niah_2", "s_niah_3"):
+        for length in (512, 1024):
+            assert m[f"ruler/{task}/{length}"] in (0.0, 100.0)
+        assert m[f"ruler/{task}/avg"] == (m[f"ruler/{task}/512"] + m[f"ruler/{task}/1024"]) / 2
+    assert "punkt" not in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------- bad input
+
+
+def _validate(*overrides):
+    from quantmla.config import validate
+
+    return validate(run_config("model=tiny_mla", "logger=none", *overrides))
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["eval=table1_suite", "eval.tasks=[hellaswag,mmlux]"], "eval.tasks.*mmlux.*hellaswag"),
+        (["eval=table1_suite", "eval.limit=0"], "eval.limit"),
+        (["eval=table1_suite", "eval.data=disk"], "eval.data.*local"),
+        (["eval=ruler", "eval.context_lengths=[4096]"], "max_position_embeddings \\(2048\\)"),
+        (["eval=ruler", "eval.context_lengths=[3000]"], "eval.context_lengths.*3000"),
+        (["eval=ruler", "eval.tasks=[s_niah_4]"], "s_niah_4.*s_niah_1"),
+        (["eval=table2_suite", "eval.tasks=[humaneval]"], "HF_ALLOW_CODE_EVAL=1"),
+    ],
+)
+def test_bad_suite_input_is_one_line_before_anything_loads(overrides, match, monkeypatch):
+    monkeypatch.delenv("HF_ALLOW_CODE_EVAL", raising=False)
+    with pytest.raises(ConfigError, match=match) as info:
+        _validate(f"paths.data_dir={DATA_DIR}", *overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_hub_only_task_offline_and_missing_essays_stop_with_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(DataNotFoundError, match="'fda' reads hazyresearch/based-fda") as info:
+        _validate(f"paths.data_dir={DATA_DIR}", "eval=table1_suite")
+    assert "\n" not in str(info.value)
+    with pytest.raises(DataNotFoundError, match="hellaswag.*eval.data=local"):
+        _validate(
+            f"paths.data_dir={DATA_DIR}",
+            "eval=table1_suite",
+            "eval.tasks=[hellaswag]",
+            "eval.data=hub",
+        )
+    empty = tmp_path / "data"
+    (empty / "niah-paul-graham-essays" / "PaulGrahamEssays").mkdir(parents=True)
+    with pytest.raises(DataNotFoundError, match="no essays"):
+        _validate(f"paths.data_dir={empty}", "eval=ruler", "eval.context_lengths=[512]")
+    _validate(f"paths.data_dir={DATA_DIR}", "eval=table1_suite", "eval.tasks=[hellaswag,mmlu]")
