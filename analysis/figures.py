@@ -1,6 +1,8 @@
 """Regenerate a figure (PNG and PDF) from the results store only.
 
-    python -m analysis.figures {fig2,fig5a,fig6,fig7} [--experiment NAME] [--results results] [--out docs]
+    python -m analysis.figures {fig2,fig4,fig5a,fig6,fig7} [--experiment NAME] [--results results] [--out docs]
+
+`fig4`: RULER S-NIAH accuracy vs context length (`experiment=fig4_ruler`).
 
 `fig2`, `fig6`: the sensitivity study (`experiment=fig2_sensitivity`, analysis/sensitivity.py);
 `fig7`: the operator analysis (`experiment=table5_probes`, analysis/probes.py).
@@ -89,6 +91,61 @@ def fig5a(records: list[dict], out: Path) -> list[Path]:
     return save(fig, out, stem)
 
 
+def fig4(records: list[dict], out: Path, stem: str) -> list[Path]:
+    """RULER S-NIAH-1/2/3: accuracy vs context length, one line per precision × method, each
+    labelled with its average (and the paper's, where it states one)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from quantmla.methods.registry import METHODS
+
+    paper = yaml.safe_load(PAPER.read_text())["fig4_ruler"]
+    tasks = ("s_niah_1", "s_niah_2", "s_niah_3")
+    model = sorted({r["config"]["model"]["name"] for r in records})[0]
+    rows = sorted(
+        (r for r in records if r["config"]["model"]["name"] == model),
+        key=lambda r: (
+            r["config"]["precision"]["name"] != "bf16",
+            list(METHODS).index(r["config"]["method"]["name"]),
+        ),
+    )
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharey=True)
+    for ax, task in zip(axes, tasks):
+        for i, r in enumerate(rows):
+            precision, method = r["config"]["precision"]["name"], r["config"]["method"]["name"]
+            m = r["metrics"]
+            lengths = sorted(
+                int(k.split("/")[2])
+                for k in m
+                if k.startswith(f"ruler/{task}/") and not k.endswith("avg")
+            )
+            if not lengths:
+                continue
+            bf16 = precision == "bf16"
+            label = "BF16" if bf16 else f"{METHODS[method].label} {precision.upper()}"
+            label += f" (avg {m[f'ruler/{task}/avg']:.1f}"
+            stated = paper.get(model, {}).get(precision, {}).get(method, {}).get(task)
+            label += f"; paper {stated})" if stated is not None else ")"
+            ax.plot(
+                lengths,
+                [m[f"ruler/{task}/{n}"] for n in lengths],
+                "k-" if bf16 else f"C{i}-o",
+                label=label,
+                markersize=4,
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_title(task.replace("s_niah_", "S-NIAH-"))
+        ax.set_xlabel("context length (tokens)")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("accuracy (%)")
+    samples = rows[0]["metrics"].get("ruler/samples_per_length") if rows else None
+    fig.suptitle(f"RULER S-NIAH, {model}, {samples} samples per variant and length", fontsize=10)
+    return save(fig, out, stem)
+
+
 def save(fig, out: Path, stem: str) -> list[Path]:
     """PNG + PDF without timestamps or version stamps (byte-identical when nothing changed)."""
     import matplotlib.pyplot as plt
@@ -127,13 +184,14 @@ def _figures():
 
     return {
         "fig2": (_named(sensitivity.fig2, "fig2_sensitivity"), "fig2_sensitivity"),
+        "fig4": (_named(fig4, "fig4_ruler"), "fig4_ruler"),
         "fig5a": (_fig5a, "fig5a_memory"),
         "fig6": (_named(sensitivity.fig6, "fig6_sensitivity_layers"), "fig2_sensitivity"),
         "fig7": (_named(probes.fig7, "fig7_operator"), "table5_probes"),
     }
 
 
-FIGURES = ("fig2", "fig5a", "fig6", "fig7")
+FIGURES = ("fig2", "fig4", "fig5a", "fig6", "fig7")
 
 
 def main() -> None:

@@ -34,18 +34,32 @@ class Column:
     fmt: str = "{:.2f}"
     higher_is_better: bool = True
     paper_key: str | None = None  # key in paper_numbers.yaml
+    stderr: str | None = None  # metric shown as "± stderr" beside the value
+
+    def show(self, metrics: dict) -> tuple[str | None, str]:
+        """(value as displayed, suffix); the value alone decides bold."""
+        value = metrics.get(self.metric)
+        if value is None:
+            return None, ""
+        err = metrics.get(self.stderr) if self.stderr else None
+        return self.fmt.format(value), "" if err is None else f" ± {self.fmt.format(err)}"
 
 
 @dataclass(frozen=True)
 class Layout:
     experiment: str
     columns: tuple[Column, ...]
-    average: bool  # append an equal-weight average over the columns
+    average: tuple[str, ...] = ()  # metrics whose equal-weight average is appended as "Avg"
     paper_table: str | None = None
 
 
-def _task_columns(tasks):
-    return tuple(Column(f"acc/{t}", t, "{:.2f}", True, t) for t in tasks)
+def _task_columns(tasks, stderr: bool = False):
+    from quantmla.evaluation.suites import TASKS
+
+    return tuple(
+        Column(f"acc/{t}", TASKS[t].label, "{:.2f}", True, t, f"acc_stderr/{t}" if stderr else None)
+        for t in tasks
+    )
 
 
 TABLE1_TASKS = (
@@ -61,35 +75,40 @@ TABLE1_TASKS = (
     "squad_completion",
 )
 TABLE2_TASKS = ("gpqa_diamond", "mmlu", "gsm8k", "math500", "aime25", "humaneval", "livecodebench")
+TINY_TASKS = TABLE1_TASKS[:7]  # the Table 1 columns with local documents
 TINY = (
     Column("ppl/wikitext2", "WikiText-2 ppl", "{:.3f}", False),
     Column("ppl/c4", "C4 ppl", "{:.3f}", False),
     Column("nmse/attn_mean", "attn-output NMSE", "{:.3e}", False),
+    *_task_columns(TINY_TASKS, stderr=True),
 )
 LAYOUTS = {
-    "table1": Layout("table1", _task_columns(TABLE1_TASKS), True, "table1"),
-    "table2": Layout("table2", _task_columns(TABLE2_TASKS), True, "table2"),
-    "tiny_table1": Layout("tiny_table1", TINY, False),
+    "table1": Layout(
+        "table1", _task_columns(TABLE1_TASKS), tuple(f"acc/{t}" for t in TABLE1_TASKS), "table1"
+    ),
+    "table2": Layout(
+        "table2", _task_columns(TABLE2_TASKS), tuple(f"acc/{t}" for t in TABLE2_TASKS), "table2"
+    ),
+    "tiny_table1": Layout("tiny_table1", TINY, tuple(f"acc/{t}" for t in TINY_TASKS)),
 }
 
 
-def _average(metrics: dict, columns) -> float | None:
-    values = [metrics.get(c.metric) for c in columns]
+def _average(metrics: dict, names) -> float | None:
+    values = [metrics.get(name) for name in names]
     return None if any(v is None for v in values) else sum(values) / len(values)
 
 
 def build(records: list[dict], layout: Layout, paper: dict | None = None) -> list[list[str]]:
     """The table as rows of cell strings; bold marked with **…**. First row is the header."""
     cells = {}
-    for r in records:
+    for r in records:  # one cell may gather several jobs (perplexity + lm-eval suites)
         c = r["config"]
-        cells[(c["model"]["name"], c["precision"]["name"], c["method"]["name"])] = dict(
-            r["metrics"]
-        )
+        key = (c["model"]["name"], c["precision"]["name"], c["method"]["name"])
+        cells.setdefault(key, {}).update(r["metrics"])
     columns = list(layout.columns)
     if layout.average:
         for metrics in cells.values():
-            metrics["avg"] = _average(metrics, layout.columns)
+            metrics["avg"] = _average(metrics, layout.average)
         columns.append(Column("avg", "Avg", "{:.2f}", True, "avg"))
     paper_rows = (paper or {}).get(layout.paper_table or "", {})
     header = ["model", "precision", "method"] + [c.header for c in columns]
@@ -106,15 +125,11 @@ def build(records: list[dict], layout: Layout, paper: dict | None = None) -> lis
         )
         for precision in precisions:
             methods = ["rtn"] if precision == "bf16" else list(METHOD_ORDER)
-            shown = {
-                (method, col.metric): (
-                    None
-                    if cells.get((model, precision, method), {}).get(col.metric) is None
-                    else col.fmt.format(cells[(model, precision, method)][col.metric])
-                )
-                for method in methods
-                for col in columns
-            }
+            shown, suffix = {}, {}
+            for method in methods:
+                for col in columns:
+                    key = (method, col.metric)
+                    shown[key], suffix[key] = col.show(cells.get((model, precision, method), {}))
             best = {}
             if precision != "bf16":
                 for col in columns:
@@ -136,6 +151,7 @@ def build(records: list[dict], layout: Layout, paper: dict | None = None) -> lis
                     text = shown[(method, col.metric)] or "—"
                     if text != "—" and best.get(col.metric) == text:
                         text = f"**{text}**"
+                    text += suffix[(method, col.metric)]
                     stated = (
                         paper_rows.get(model, {}).get(precision, {}).get(method, {}) or {}
                     ).get(col.paper_key or "")

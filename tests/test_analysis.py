@@ -1,4 +1,4 @@
-from analysis.tables import LAYOUTS, build, to_latex, to_markdown
+from analysis.tables import LAYOUTS, TINY_TASKS, build, to_latex, to_markdown
 
 
 def record(model, precision, method, **metrics):
@@ -52,14 +52,19 @@ def test_table1_layout_bold_average_missing_and_paper():
     assert r"\textbf{59.00}" in latex and "SmoothQuant$^\\dagger$" in latex and "--" in latex
 
 
-def test_tiny_table_lower_is_better_and_no_average():
+def test_tiny_table_lower_is_better_merges_jobs_and_averages_only_tasks():
+    tasks = {f"acc/{t}": 40.0 for t in TINY_TASKS}
     records = [
         record("tiny_mla", "bf16", "rtn", **{"ppl/wikitext2": 10.0}),
         record("tiny_mla", "c2r4", "rtn", **{"ppl/wikitext2": 12.0, "nmse/attn_mean": 1e-2}),
         record("tiny_mla", "c2r4", "quantmla", **{"ppl/wikitext2": 11.0, "nmse/attn_mean": 1e-3}),
+        # the lm-eval job of the same cell: merged into its row
+        record("tiny_mla", "c2r4", "quantmla", **tasks, **{"acc_stderr/piqa": 2.5}),
     ]
     rows = build(records, LAYOUTS["tiny_table1"])
-    assert rows[0][-1] == "attn-output NMSE"
+    assert rows[0][5:7] == ["attn-output NMSE", "HellaSwag"] and rows[0][-1] == "Avg"
+    quantmla = {(r[1], r[2]): r for r in rows[1:]}[("C2R4", "QuantMLA")]
+    assert quantmla[7] == "**40.00** ± 2.50" and quantmla[-1] == "**40.00**"  # ppl not averaged
     by = {(r[1], r[2]): r for r in rows[1:]}
     assert (
         by[("C2R4", "QuantMLA")][3] == "**11.000**"

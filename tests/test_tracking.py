@@ -74,9 +74,12 @@ def test_atomic_write_leaves_no_partial_record(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_every_experiment_job_validates(name, tmp_path):
+def test_every_experiment_job_validates(name, tmp_path, monkeypatch):
     """Each job of each sweep composes and passes validation (a typo in a sweep fails here); a kind
     that is not implemented yet may only stop after every other check passed."""
+    from quantmla.evaluation.suites import TASKS
+
+    monkeypatch.setenv("HF_ALLOW_CODE_EVAL", "1")  # the opt-in is tested in test_lm_eval
     cfg = resolved(f"experiment={name}", hydra=True)
     assert cfg.experiment_name == name and cfg.hydra.mode.name == "MULTIRUN"
     jobs = sweep_jobs(name)
@@ -84,9 +87,12 @@ def test_every_experiment_job_validates(name, tmp_path):
     for job in jobs:
         config = OmegaConf.to_object(resolved(*job, f"paths.results_dir={tmp_path}"))
         evaluator = EVALUATORS[config.eval.kind]
-        hub_offline = evaluator.needs_model and not config.model.path.startswith("assets/")
-        if evaluator.implemented and hub_offline:  # paper checkpoints: hub ids, the hub is offline
-            with pytest.raises(DataNotFoundError, match="is a hub id, the hub is offline"):
+        hub_model = evaluator.needs_model and not config.model.path.startswith("assets/")
+        hub_tasks = config.eval.kind == "lm_eval" and any(
+            TASKS[t].local is None for t in config.eval.tasks
+        )
+        if evaluator.implemented and (hub_model or hub_tasks):  # the hub is offline here
+            with pytest.raises(DataNotFoundError, match="hub.*offline"):
                 validate(config)
         elif evaluator.implemented:
             validate(config)
