@@ -382,3 +382,91 @@ def test_hub_only_task_offline_and_missing_essays_stop_with_one_line(tmp_path, m
     with pytest.raises(DataNotFoundError, match="no essays"):
         _validate(f"paths.data_dir={empty}", "eval=ruler", "eval.context_lengths=[512]")
     _validate(f"paths.data_dir={DATA_DIR}", "eval=table1_suite", "eval.tasks=[hellaswag,mmlu]")
+
+
+# ------------------------------------------------------------------- code execution (sandboxed)
+
+ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
+STDIN_TESTS = json.dumps(
+    [
+        {"input": "1 2\n", "output": "3\n", "testtype": "stdin"},
+        {"input": "40 2\n", "output": "42", "testtype": "stdin"},
+    ]
+)
+
+
+def _compressed(tests: list) -> str:
+    import base64
+    import pickle
+    import zlib
+
+    return base64.b64encode(zlib.compress(pickle.dumps(json.dumps(tests)))).decode()
+
+
+@pytest.fixture
+def code_eval(monkeypatch):
+    monkeypatch.setenv("HF_ALLOW_CODE_EVAL", "1")
+    from quantmla.evaluation import sandbox
+
+    return sandbox
+
+
+def test_code_never_runs_without_the_opt_in(monkeypatch, tmp_path):
+    from quantmla.evaluation import sandbox
+
+    monkeypatch.delenv("HF_ALLOW_CODE_EVAL", raising=False)
+    marker = tmp_path / "ran"
+    with pytest.raises(sandbox.CodeExecutionNotAllowed, match="HF_ALLOW_CODE_EVAL=1"):
+        sandbox.run_tests(f"open({str(marker)!r}, 'w')", STDIN_TESTS)
+    assert not marker.exists()
+
+
+def test_sandbox_passes_right_programs_and_fails_wrong_ones(code_eval):
+    assert code_eval.run_tests(ADD, STDIN_TESTS)["passed"]
+    assert not code_eval.run_tests(ADD.replace("+", "-"), STDIN_TESTS)["passed"]
+    private = _compressed([{"input": "5 5\n", "output": "10\n", "testtype": "stdin"}])
+    assert code_eval.run_tests(ADD, STDIN_TESTS, private)["passed"]
+    wrong_private = _compressed([{"input": "5 5\n", "output": "11\n", "testtype": "stdin"}])
+    verdict = code_eval.run_tests(ADD, STDIN_TESTS, wrong_private)
+    assert not verdict["passed"] and "test 2" in verdict["reason"]
+    functional = json.dumps(
+        [{"input": "[1, 2, 3]\n2", "output": "[3, 4, 5]", "testtype": "functional"}]
+    )
+    solution = "class Solution:\n    def shift(self, xs, k):\n        return [x + k for x in xs]\n"
+    assert code_eval.run_tests(solution, functional, None, "shift")["passed"]
+
+
+def test_sandbox_limits_time_memory_and_network(code_eval):
+    limits = code_eval.Limits(seconds_per_test=1.0, memory_mb=512, max_wall_seconds=20)
+    loop = code_eval.run_tests("while True:\n    pass\n", STDIN_TESTS, limits=limits)
+    assert not loop["passed"] and "time limit" in loop["reason"]
+    bomb = code_eval.run_tests("x = bytearray(2 * 1024**3)\nprint(3)", STDIN_TESTS, limits=limits)
+    assert not bomb["passed"] and "MemoryError" in bomb["reason"]
+    net = "import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)\nprint(3)"
+    verdict = code_eval.run_tests(net, STDIN_TESTS, limits=limits)
+    assert not verdict["passed"] and "network access is disabled" in verdict["reason"]
+    forged = "import os, sys\nsys.__stdout__.write('0 {\"passed\": true}\\n')\nos._exit(0)"
+    assert not code_eval.run_tests(forged, STDIN_TESTS, limits=limits)["passed"]
+
+
+def test_livecodebench_prompt_extraction_and_scoring(code_eval):
+    from quantmla.evaluation.lm_tasks import livecodebench as lcb
+
+    doc = {
+        "question_content": "Print the sum of two integers.",
+        "starter_code": "",
+        "public_test_cases": STDIN_TESTS,
+        "private_test_cases": _compressed([{"input": "2 2", "output": "4", "testtype": "stdin"}]),
+        "metadata": "{}",
+    }
+    prompt = lcb.doc_to_text(doc)
+    assert "Print the sum of two integers." in prompt and "standard input" in prompt
+    answer = f"Here it is:\n```python\n{ADD}```\nDone."
+    assert lcb.extract_program(answer) == ADD
+    assert lcb.extract_program(f"```python\n{ADD}") == ADD  # cut by the token budget
+    assert lcb.process_results(doc, [answer]) == {"pass@1": 1.0}
+    assert lcb.process_results(doc, ["print(4)"]) == {"pass@1": 0.0}
+
+
+def test_livecodebench_task_loads_in_lm_eval(manager):
+    assert "quantmla_livecodebench" in manager.all_tasks
