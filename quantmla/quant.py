@@ -1,12 +1,19 @@
 """The quantizer (SPEC §2): per-token asymmetric affine, groups of `group_size` along the last axis.
 
-For a group x and b bits: m = 2^b - 1, s = (max x - min x)/m, z = round(-min x / s),
-q = clamp(round(x/s) + z, 0, m), x̂ = (q - z)·s, with round-half-to-even (`torch.round`).
+For a group x and b bits: m = 2^b - 1, lo = min(min x, 0), hi = max(max x, 0), s = (hi - lo)/m,
+z = round(-lo / s), q = clamp(round(x/s) + z, 0, m), x̂ = (q - z)·s, round-half-to-even.
+
+Choice (zero in range): the range always includes 0, so z ∈ [0, m] is an exact integer that the
+packed cache stores in one byte (the paper's 320 B/token) and that every metadata dtype holds
+exactly. For a group that straddles 0 — every group of a real latent we measured — this is SPEC
+§2's quantizer bit for bit; a group of one sign (e.g. a constant one) is quantized on [0, max] or
+[min, 0] instead of [min, max].
 This module is the only place the math lives: fake-quant evaluation, calibration (STE) and the
 packed cache all call it.
 
-Choice (constant groups): s is floored at `SCALE_FLOOR` (1e-8). A constant group then gets
-q = 0, z = round(-x/s) and reconstructs to x within the metadata dtype's rounding, never NaN/Inf.
+Choice (constant groups): s is floored at `SCALE_FLOOR` (1e-8), so an all-zero group gets s = 1e-8,
+z = 0, q = 0 and reconstructs to exactly 0; a constant c ≠ 0 gets s = |c|/m and reconstructs to c
+within the metadata dtype's rounding, never NaN/Inf.
 Metadata (s, z) is rounded to `meta_dtype` before dequantization, as the packed cache stores it:
 BF16 for the content latent, FP32 for the RoPE key.
 Non-finite input stays inside its own group: a NaN/Inf in one group never changes another group.
@@ -53,8 +60,8 @@ def _codes(x: torch.Tensor, bits: int, group_size: int, meta_dtype: torch.dtype 
     check_bits(bits)
     xg = _grouped(x.to(torch.promote_types(x.dtype, torch.float32)), group_size)
     levels = 2**bits - 1
-    lo = xg.amin(dim=-1, keepdim=True)
-    hi = xg.amax(dim=-1, keepdim=True)
+    lo = xg.amin(dim=-1, keepdim=True).clamp(max=0)
+    hi = xg.amax(dim=-1, keepdim=True).clamp(min=0)
     scale = ((hi - lo) / levels).clamp_min(SCALE_FLOOR)
     rnd = round_ste if ste else torch.round
     zero = rnd(-lo / scale)

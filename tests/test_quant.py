@@ -7,10 +7,12 @@ from quantmla.quant import dequantize, pack, quantize, quantize_dequantize, unpa
 
 
 def reference_qdq(x: np.ndarray, bits: int, g: int):
-    """Independent float64 reference of SPEC §2 (numpy's round is half-to-even)."""
+    """Independent float64 reference of SPEC §2 with the range widened to include 0 (numpy's
+    round is half-to-even)."""
     xg = x.astype(np.float64).reshape(-1, g)
     m = 2**bits - 1
-    lo, hi = xg.min(1, keepdims=True), xg.max(1, keepdims=True)
+    lo = np.minimum(xg.min(1, keepdims=True), 0)
+    hi = np.maximum(xg.max(1, keepdims=True), 0)
     s = np.maximum((hi - lo) / m, 1e-8)
     z = np.round(-lo / s)
     q = np.clip(np.round(xg / s) + z, 0, m)
@@ -55,6 +57,24 @@ def test_constant_groups_reconstruct_without_nan(value, meta):
     assert torch.isfinite(out).all()
     tol = 2**-8 if meta is torch.bfloat16 else 1e-6  # bf16 metadata: 8 significant bits
     assert torch.allclose(out, x, rtol=tol, atol=1e-7)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_zero_point_is_an_integer_in_code_range_for_groups_of_one_sign(bits):
+    """Where SPEC §2's z = round(-min/s) would leave [0, m] (a group of one sign), the widened
+    range keeps it there (one stored byte) and the error within half a step."""
+    gen = torch.Generator().manual_seed(bits)
+    x = torch.cat([torch.rand(3, 64, generator=gen) + 5, -(torch.rand(3, 64, generator=gen) + 5)])
+    x = torch.cat([x, torch.randn(3, 64, generator=gen)])  # straddling: the paper's quantizer
+    q = quantize(x, bits, meta_dtype=torch.bfloat16)
+    m = 2**bits - 1
+    assert q.zero[:3].eq(0).all() and q.zero[3:6].eq(m).all()
+    assert torch.equal(q.zero, q.zero.round()) and q.zero.min() >= 0 and q.zero.max() <= m
+    step = q.scale.float().repeat_interleave(64, -1).flatten(-2)
+    assert ((dequantize(q) - x).abs() <= step / 2 * (1 + 2**-7)).all()
+    straddle = x[6:]
+    lo, hi = straddle.amin(-1, keepdim=True), straddle.amax(-1, keepdim=True)
+    assert torch.equal(q.zero[6:].flatten(), torch.round(-lo / ((hi - lo) / m)).flatten())
 
 
 def test_nonfinite_stays_in_its_group():
