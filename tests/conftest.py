@@ -20,6 +20,10 @@ MODEL_CONFIGS = sorted(
 TINY_MLA = REPO / "assets" / "tiny-mla"
 
 torch.set_num_threads(2)
+if (
+    not torch.cuda.is_available()
+):  # Triton kernels run in its CPU interpreter (before they are defined)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

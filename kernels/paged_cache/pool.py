@@ -48,6 +48,7 @@ class PagePool:
     def __init__(self, layout: CacheLayout, n_pages: int, device: str | torch.device = "cpu"):
         if n_pages < 1:
             raise QuantMLAError(f"n_pages={n_pages} is not allowed; allowed: >= 1")
+        layout.spec.check_dims(layout.d_c, layout.d_r)  # group size divides both paths
         self.layout, self.n_pages, self.device = layout, n_pages, torch.device(device)
         self.storage = torch.zeros(n_pages, layout.page_bytes(), dtype=torch.uint8, device=device)
         self.reverse_map = torch.full((n_pages,), FREE, dtype=torch.int64, device=device)

@@ -1,0 +1,120 @@
+"""kernels/paged_cache: the writer (Triton bit-exact vs the reference built on the quantizer) and
+the decode kernel (vs dequantize-then-simulator attention), under TRITON_INTERPRET=1 on CPU."""
+
+
+import pytest
+import torch
+
+from kernels.paged_cache.pool import PagePool, PoolExhaustedError
+from kernels.paged_cache.writer import read_tokens, write_tokens
+from quantmla.errors import ConfigError, NonFiniteCacheError
+from quantmla.memory import PAGE_TOKENS, layout
+
+PRECISIONS = ("c4r4", "c2r4")
+
+
+def small_layout(precision="c4r4", d_c=128, d_r=64, **kw):
+    return layout(precision, d_c=d_c, d_r=d_r, **kw)
+
+
+def latents(n, d_c=128, d_r=64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    c = torch.randn(n, d_c, generator=gen) * torch.linspace(0.1, 3, d_c)
+    k = torch.randn(n, d_r, generator=gen) * 2
+    return c, k
+
+
+def hard_latents(n, d_c=128, d_r=64):
+    """Constant groups (0, positive, negative), one-sign groups, huge and tiny magnitudes, ties."""
+    c, k = latents(n, d_c, d_r, seed=1)
+    c[0, :64] = 0.0
+    c[1, :64] = 3.7
+    c[2, 64:128] = -2.25
+    c[3, :64] = torch.rand(64) + 5  # one sign: zero point 0
+    c[4, :64] = 1e4 * torch.randn(64)
+    c[5, :64] = 1e-6 * torch.randn(64)
+    c[6, :64] = torch.arange(64) * 0.5 - 7.5  # .5 ties on the code grid
+    k[7] = 0.0
+    k[8] = -(torch.rand(d_r) + 1)
+    return c, k
+
+
+def pool_pair(lay, n_pages=8, order_seed=None):
+    pools = [PagePool(lay, n_pages) for _ in range(2)]
+    if order_seed is not None:  # pages handed out in a random physical order
+        perm = torch.randperm(n_pages, generator=torch.Generator().manual_seed(order_seed)).tolist()
+        for p in pools:
+            p.free = perm[:]
+    return pools
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("chunks", [[200], [1] * 9, [63, 1, 1, 70], [64, 64, 5]])
+def test_triton_writer_is_bit_identical_to_the_reference(precision, chunks):
+    lay = small_layout(precision)
+    ref, tri = pool_pair(lay, order_seed=len(chunks))
+    canary = 0xA5
+    for p in (ref, tri):
+        p.storage.fill_(canary)
+        p.add_request(3)
+    c, k = hard_latents(sum(chunks))
+    start = 0
+    for n in chunks:
+        write_tokens(ref, 3, c[start : start + n], k[start : start + n], backend="torch")
+        write_tokens(tri, 3, c[start : start + n], k[start : start + n], backend="triton")
+        start += n
+    assert torch.equal(ref.storage, tri.storage)
+    held = set(ref.requests[3].pages)
+    untouched = [p for p in range(ref.n_pages) if p not in held]
+    assert untouched and (ref.storage[untouched] == canary).all()  # canary pages untouched
+    assert torch.equal(ref.requests[3].protection, tri.requests[3].protection)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_reader_returns_the_quantizers_values(precision):
+    lay = small_layout(precision)
+    pool = PagePool(lay, 8)
+    pool.add_request(0)
+    c, k = hard_latents(150)
+    write_tokens(pool, 0, c, k)
+    c_hat, k_hat = read_tokens(pool, 0)
+    spec = lay.spec
+    assert torch.equal(c_hat, spec.qdq_content(c))
+    assert torch.equal(k_hat, spec.qdq_rope(k))
+
+
+def test_protection_buffer_holds_sinks_and_a_ring_of_the_last_recent():
+    lay = small_layout("c4r4", sink=4, recent=128)
+    pool = PagePool(lay, 8)
+    req = pool.add_request(0)
+    c, k = latents(300)
+    rows = torch.cat([c, k], -1).to(torch.bfloat16)
+    for t in range(133):  # one token at a time: the ring wraps exactly at the 128 boundary
+        write_tokens(pool, 0, c[t : t + 1], k[t : t + 1], backend="triton")
+    assert torch.equal(req.protection[:4], rows[:4])
+    ring = {4 + p % 128: p for p in range(133 - 128, 133)}
+    for slot, p in ring.items():
+        assert torch.equal(req.protection[slot], rows[p])
+    assert 4 + 4 % 128 in ring and ring[8] == 132 and ring[4 + 5 % 128] == 5
+    write_tokens(pool, 0, c[133:300], k[133:300])  # prefill-sized append
+    for p in range(300 - 128, 300):
+        assert torch.equal(req.protection[4 + p % 128], rows[p])
+
+
+def test_writer_faults_leave_the_pool_unchanged():
+    lay = small_layout("c4r4")
+    pool = PagePool(lay, 2)
+    pool.add_request(0)
+    before = pool.storage.clone()
+    c, k = latents(3 * PAGE_TOKENS)
+    with pytest.raises(PoolExhaustedError, match="needs 3 more page\\(s\\).*2 of 2 are free"):
+        write_tokens(pool, 0, c, k, backend="triton")
+    c[5, 3] = float("nan")
+    with pytest.raises(NonFiniteCacheError, match="nothing was written"):
+        write_tokens(pool, 0, c[:10], k[:10])
+    assert torch.equal(pool.storage, before) and pool.requests[0].tokens == 0
+    assert pool.pages_in_use() == 0
+    with pytest.raises(ConfigError, match="bits.*packed cache"):
+        write_tokens(PagePool(small_layout("c4r16"), 1), 0, c[:1], k[:1])
+    with pytest.raises(ConfigError, match="group_size"):
+        PagePool(layout("c4r4", d_c=96, d_r=64, group_size=64), 1)  # 96 % 64
