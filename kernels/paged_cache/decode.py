@@ -1,0 +1,293 @@
+"""Decode attention over the paged packed latent cache (absorbed form, one new token per request).
+
+Scores s_t = τ (q̃ · ĉ_t + q_R · k̂_R,t) over every cached token: packed pages for tokens outside the
+protection window, the request's BF16 buffer for the first `sink` and the last `recent`; output
+the softmax-weighted latent o = Σ_t p_t ĉ_t (B, H, d_c) and its log-sum-exp (the caller applies
+W_UV and W_O, as the simulator's absorbed form).
+
+`decode_reference`: dequantize the pages (the reader), float64 softmax over both regions.
+`decode_triton`: split-K over pages — each program takes a request's block of heads (all of them
+when h_q ≤ BLOCK_H) and a run of pages, unpacks and dequantizes each 64-token tile once in
+registers and uses it for both QK and PV (online softmax); one extra split attends to the
+protected rows; a second kernel merges the splits by the log-sum-exp rule (`merge_partials`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels.paged_cache.pool import PagePool
+from kernels.paged_cache.writer import check_packable, paths, read_tokens
+from quantmla.memory import PAGE_TOKENS
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+
+def protected_positions(tokens: int, sink: int, recent: int) -> torch.Tensor:
+    """Bool (tokens,): positions the decode step reads from the BF16 buffer (SPEC's protection for
+    the query at the last slot: j < sink or j ≥ T − recent)."""
+    j = torch.arange(tokens)
+    return (j < sink) | (j >= tokens - recent)
+
+
+def protected_rows(pool: PagePool, request_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, rows (n, d_c + d_r) float32) the request's protection buffer holds now."""
+    layout, request = pool.layout, pool.request(request_id)
+    pos = protected_positions(request.tokens, layout.sink, layout.recent).nonzero().flatten()
+    slot = torch.where(pos < layout.sink, pos, layout.sink + pos % max(layout.recent, 1))
+    return pos, request.protection[slot.to(request.protection.device)].float()
+
+
+def decode_reference(pool, request_ids, q_lat, q_rope, scaling):
+    """float64 reference: (o (B, H, d_c), lse (B, H))."""
+    layout = pool.layout
+    outs, lses = [], []
+    for b, rid in enumerate(request_ids):
+        c, k = read_tokens(pool, rid)
+        pos, rows = protected_rows(pool, rid)
+        c, k = c.double().clone(), k.double().clone()
+        c[pos], k[pos] = rows[:, : layout.d_c].double(), rows[:, layout.d_c :].double()
+        scores = scaling * (q_lat[b].double() @ c.T + q_rope[b].double() @ k.T)  # (H, T)
+        lse = torch.logsumexp(scores, dim=-1)
+        outs.append(torch.softmax(scores, dim=-1) @ c)
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)
+
+
+# ------------------------------------------------------------------------------------- Triton
+
+if triton is not None:
+
+    @triton.jit
+    def _load_meta(ptr, index, META_BYTES: tl.constexpr):
+        """Little-endian BF16 (2 bytes) or FP32 (4 bytes) values at byte `index` → fp32."""
+        word = tl.load(ptr + index).to(tl.uint32)
+        for k in tl.static_range(1, META_BYTES):
+            word = word | (tl.load(ptr + index + k).to(tl.uint32) << (8 * k))
+        if META_BYTES == 2:
+            word = word << 16
+        return word.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _dequant_tile(
+        ptr,
+        page_base,
+        rows,
+        DIM: tl.constexpr,
+        GROUP: tl.constexpr,
+        BITS: tl.constexpr,
+        META_BYTES: tl.constexpr,
+        CODES_AT: tl.constexpr,
+        SCALES_AT: tl.constexpr,
+        ZEROS_AT: tl.constexpr,
+        TILE: tl.constexpr,
+    ):
+        """(TILE, DIM) fp32 ĉ = (q − z)·s of one page's rows: unpacked and scaled in registers."""
+        PER_BYTE: tl.constexpr = 8 // BITS
+        GROUPS: tl.constexpr = DIM // GROUP
+        MASK: tl.constexpr = (1 << BITS) - 1
+        nb = tl.arange(0, DIM // PER_BYTE)
+        j = tl.arange(0, PER_BYTE)
+        byte = tl.load(ptr + page_base + CODES_AT + rows[:, None] * (DIM // PER_BYTE) + nb[None, :])
+        codes = (byte.to(tl.int32)[:, :, None] >> (j[None, None, :] * BITS)) & MASK
+        codes = tl.reshape(codes.to(tl.float32), (TILE, DIM))
+        g = tl.arange(0, GROUPS)
+        meta_at = page_base + rows[:, None] * (GROUPS * META_BYTES) + g[None, :] * META_BYTES
+        scale = _load_meta(ptr, SCALES_AT + meta_at, META_BYTES)  # (TILE, GROUPS)
+        zero = tl.load(ptr + page_base + ZEROS_AT + rows[:, None] * GROUPS + g[None, :]).to(tl.float32)
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (TILE, GROUPS, GROUP)), (TILE, DIM))
+        zero = tl.reshape(tl.broadcast_to(zero[:, :, None], (TILE, GROUPS, GROUP)), (TILE, DIM))
+        return (codes - zero) * scale
+
+    @triton.jit
+    def _online_update(q, qr, c, k, keep, m_i, l_i, acc, scaling, DOT: tl.constexpr):
+        """One tile of the online softmax: scores, running max/sum, and PV with the same tile."""
+        s = tl.dot(q.to(DOT), tl.trans(c.to(DOT)), input_precision="ieee")
+        s += tl.dot(qr.to(DOT), tl.trans(k.to(DOT)), input_precision="ieee")
+        s = tl.where(keep[None, :], s * scaling, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), c.to(DOT), input_precision="ieee")
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _decode_split_kernel(
+        q_ptr,
+        qr_ptr,
+        store_ptr,
+        table_ptr,
+        lens_ptr,
+        prot_ptr,
+        o_ptr,
+        lse_ptr,
+        scaling,
+        n_heads,
+        max_pages,
+        NUM_SPLITS: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        D_C: tl.constexpr,
+        D_R: tl.constexpr,
+        GROUP: tl.constexpr,
+        PAGE_BYTES: tl.constexpr,
+        C_BITS: tl.constexpr,
+        C_META: tl.constexpr,
+        C_CODES: tl.constexpr,
+        C_SCALES: tl.constexpr,
+        C_ZEROS: tl.constexpr,
+        R_BITS: tl.constexpr,
+        R_META: tl.constexpr,
+        R_CODES: tl.constexpr,
+        R_SCALES: tl.constexpr,
+        R_ZEROS: tl.constexpr,
+        SINK: tl.constexpr,
+        RECENT: tl.constexpr,
+        PROT_ROWS: tl.constexpr,
+        DOT: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        hb = tl.program_id(1)
+        split = tl.program_id(2)
+        T = tl.load(lens_ptr + b)
+        heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = heads < n_heads
+        dc = tl.arange(0, D_C)
+        dr = tl.arange(0, D_R)
+        q = tl.load(q_ptr + (b * n_heads + heads[:, None]) * D_C + dc[None, :], mask=hmask[:, None], other=0.0)
+        qr = tl.load(qr_ptr + (b * n_heads + heads[:, None]) * D_R + dr[None, :], mask=hmask[:, None], other=0.0)
+        m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_H,), tl.float32)
+        acc = tl.zeros((BLOCK_H, D_C), tl.float32)
+        rows = tl.arange(0, 64)
+        if split < NUM_SPLITS:  # a run of packed pages
+            n_pages = tl.cdiv(T, 64)
+            per_split = tl.cdiv(n_pages, NUM_SPLITS)
+            first = split * per_split
+            last = tl.minimum(first + per_split, n_pages)
+            for page in range(first, last):
+                phys = tl.load(table_ptr + b.to(tl.int64) * max_pages + page).to(tl.int64)
+                base = phys * PAGE_BYTES  # int64 byte offset
+                pos = page * 64 + rows
+                keep = (pos < T) & (pos >= SINK) & (pos < T - RECENT)
+                c = _dequant_tile(store_ptr, base, rows, D_C, GROUP, C_BITS, C_META, C_CODES, C_SCALES, C_ZEROS, 64)
+                k = _dequant_tile(store_ptr, base, rows, D_R, GROUP, R_BITS, R_META, R_CODES, R_SCALES, R_ZEROS, 64)
+                c = tl.where(keep[:, None], c, 0.0)  # rows past T hold stale bytes: never 0·NaN
+                k = tl.where(keep[:, None], k, 0.0)
+                m_i, l_i, acc = _online_update(q, qr, c, k, keep, m_i, l_i, acc, scaling, DOT)
+        else:  # the protected rows: sinks at their position, the ring at sink + pos % recent
+            for start in range(0, PROT_ROWS, 64):
+                r = start + rows
+                ring = r - SINK
+                pos = tl.where(r < SINK, r, (T - 1) - ((T - 1 - ring) % RECENT))
+                keep = (r < PROT_ROWS) & (pos >= 0) & (pos < T) & ((r < SINK) | (pos >= SINK))
+                row_at = (b.to(tl.int64) * PROT_ROWS + r[:, None]) * (D_C + D_R)
+                c = tl.load(prot_ptr + row_at + dc[None, :], mask=keep[:, None], other=0.0).to(tl.float32)
+                k = tl.load(prot_ptr + row_at + D_C + dr[None, :], mask=keep[:, None], other=0.0).to(tl.float32)
+                m_i, l_i, acc = _online_update(q, qr, c, k, keep, m_i, l_i, acc, scaling, DOT)
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        part = (b * (NUM_SPLITS + 1) + split) * n_heads + heads
+        tl.store(o_ptr + part[:, None].to(tl.int64) * D_C + dc[None, :], o, mask=hmask[:, None])
+        tl.store(lse_ptr + part, lse, mask=hmask)
+
+    @triton.jit
+    def _merge_kernel(o_ptr, lse_ptr, out_ptr, out_lse_ptr, n_heads, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D_C: tl.constexpr):
+        """Second stage: o = Σ e^{lse_s − m} o_s / Σ e^{lse_s − m}, lse = m + log Σ e^{lse_s − m}."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.arange(0, BLOCK_S)
+        smask = s < SPLITS
+        part = (b * SPLITS + s) * n_heads + h
+        lse = tl.load(lse_ptr + part, mask=smask, other=float("-inf"))
+        m = tl.max(lse, axis=0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp(lse - m_safe)
+        total = tl.sum(w, axis=0)
+        dc = tl.arange(0, D_C)
+        o = tl.load(o_ptr + part[:, None].to(tl.int64) * D_C + dc[None, :], mask=smask[:, None], other=0.0)
+        out = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+        tl.store(out_ptr + (b * n_heads + h) * D_C + dc, out)
+        tl.store(out_lse_ptr + b * n_heads + h, tl.where(total > 0, m_safe + tl.log(total), float("-inf")))
+
+
+def default_splits(max_tokens: int, batch: int, target_programs: int = 132) -> int:
+    """Enough splits to give the GPU's SMs work (≈ one wave), never more than the pages."""
+    pages = max(1, math.ceil(max_tokens / PAGE_TOKENS))
+    return max(1, min(pages, math.ceil(target_programs / max(batch, 1))))
+
+
+def stacked_inputs(pool: PagePool, request_ids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(page tables (B, max_pages) int64, lengths (B,) int32, protection (B, P, d_c + d_r))."""
+    requests = [pool.request(r) for r in request_ids]
+    width = max(1, max(len(r.pages) for r in requests))
+    table = torch.zeros(len(requests), width, dtype=torch.int64)
+    for i, r in enumerate(requests):
+        table[i, : len(r.pages)] = torch.tensor(r.pages, dtype=torch.int64)
+    lens = torch.tensor([r.tokens for r in requests], dtype=torch.int32)
+    prot = torch.stack([r.protection for r in requests])
+    return table.to(pool.device), lens.to(pool.device), prot
+
+
+def decode_triton(pool, request_ids, q_lat, q_rope, scaling, num_splits=None, block_h=None, dot_dtype=None):
+    """(o (B, H, d_c) float32, lse (B, H)) from the packed pages + protected rows."""
+    if triton is None:  # pragma: no cover
+        raise RuntimeError("decode_triton needs the triton package")
+    layout = pool.layout
+    check_packable(layout)
+    content, rope = paths(layout)
+    sec = layout.sections()
+    B, H, _ = q_lat.shape
+    table, lens, prot = stacked_inputs(pool, request_ids)
+    splits = num_splits or default_splits(int(lens.max()), B)
+    block_h = block_h or max(16, min(64, triton.next_power_of_2(H)))
+    interpreted = q_lat.device.type == "cpu"
+    dot = {None: tl.float32 if interpreted else tl.bfloat16, torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}[dot_dtype]
+    o_part = torch.empty(B, splits + 1, H, layout.d_c, dtype=torch.float32, device=q_lat.device)
+    lse_part = torch.empty(B, splits + 1, H, dtype=torch.float32, device=q_lat.device)
+    meta = {torch.bfloat16: 2, torch.float32: 4}
+    _decode_split_kernel[(B, triton.cdiv(H, block_h), splits + 1)](
+        q_lat.float().contiguous(),
+        q_rope.float().contiguous(),
+        pool.storage,
+        table,
+        lens,
+        prot.float().contiguous() if interpreted else prot.contiguous(),
+        o_part,
+        lse_part,
+        float(scaling),
+        H,
+        table.shape[1],
+        NUM_SPLITS=splits,
+        BLOCK_H=block_h,
+        D_C=layout.d_c,
+        D_R=layout.d_r,
+        GROUP=layout.spec.group_size,
+        PAGE_BYTES=layout.page_bytes(),
+        C_BITS=content.bits,
+        C_META=meta[content.meta_dtype],
+        C_CODES=sec["content_codes"][0],
+        C_SCALES=sec["content_scales"][0],
+        C_ZEROS=sec["content_zeros"][0],
+        R_BITS=rope.bits,
+        R_META=meta[rope.meta_dtype],
+        R_CODES=sec["rope_codes"][0],
+        R_SCALES=sec["rope_scales"][0],
+        R_ZEROS=sec["rope_zeros"][0],
+        SINK=layout.sink,
+        RECENT=max(layout.recent, 1),
+        PROT_ROWS=layout.sink + layout.recent,
+        DOT=dot,
+    )
+    out = torch.empty(B, H, layout.d_c, dtype=torch.float32, device=q_lat.device)
+    out_lse = torch.empty(B, H, dtype=torch.float32, device=q_lat.device)
+    _merge_kernel[(B, H)](
+        o_part, lse_part, out, out_lse, H, SPLITS=splits + 1, BLOCK_S=triton.next_power_of_2(splits + 1), D_C=layout.d_c
+    )
+    return out, out_lse
