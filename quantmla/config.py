@@ -44,6 +44,14 @@ class PrecisionConfig:
 
 
 @dataclass
+class CacheConfig:
+    backend: str = opt(
+        "simulator", "simulator | packed (paged packed cache + kernels; same function)"
+    )
+    kernel: str = opt("auto", "packed backend kernels: auto | torch (reference) | triton")
+
+
+@dataclass
 class CalibrationConfig:
     """Calibration data and optimisation (SmoothQuant†, QuantMLA); the only place their defaults live."""
 
@@ -134,6 +142,9 @@ class LoggerConfig:
 class RunConfig:
     model: ModelConfig = opt(help="the MLA model", factory=ModelConfig)
     precision: PrecisionConfig = opt(help="cache precision and protection", factory=PrecisionConfig)
+    cache: CacheConfig = opt(
+        help="which cache implementation generation runs on", factory=CacheConfig
+    )
     method: MethodConfig = opt(help="quantization method", factory=MethodConfig)
     paths: PathsConfig = opt(
         help="data, results, artifacts, checkpoints roots", factory=PathsConfig
@@ -193,9 +204,7 @@ def validate(cfg: RunConfig):
     from quantmla.paths import Paths
     from quantmla.policy import CachePolicy
 
-    policy = CachePolicy(
-        cfg.precision.name, cfg.precision.sink, cfg.precision.recent, cfg.precision.group_size
-    )
+    policy = CachePolicy.from_config(cfg)
     method = METHODS.get(cfg.method.name)
     if method is None:
         raise ConfigError("method.name", cfg.method.name, tuple(METHODS))

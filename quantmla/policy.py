@@ -9,6 +9,8 @@ from quantmla.errors import ConfigError
 from quantmla.spec import QuantizerSpec
 
 FORMS = ("auto", "expanded", "absorbed")
+BACKENDS = ("simulator", "packed")
+KERNELS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,8 @@ class CachePolicy:
     rope_meta_dtype: str = "float32"
     check_finite: bool = True
     incremental: bool = True  # quantize each token once as it enters a DynamicCache (same values)
+    backend: str = "simulator"  # packed: generation through kernels/paged_cache (same function)
+    kernel: str = "auto"  # packed backend: torch reference, triton, or auto (triton where it runs)
 
     def __post_init__(self):
         self.spec  # noqa: B018  (validates precision, group size, metadata dtypes)
@@ -35,6 +39,17 @@ class CachePolicy:
                 raise ConfigError(name, value, "an integer >= 0")
         if self.form not in FORMS:
             raise ConfigError("form", self.form, FORMS)
+        if self.backend not in BACKENDS:
+            raise ConfigError("cache.backend", self.backend, BACKENDS)
+        if self.kernel not in KERNELS:
+            raise ConfigError("cache.kernel", self.kernel, KERNELS)
+
+    @classmethod
+    def from_config(cls, cfg) -> CachePolicy:
+        """The run's policy from its `precision` and `cache` config groups."""
+        p, cache = cfg.precision, getattr(cfg, "cache", None)
+        backend = {"backend": cache.backend, "kernel": cache.kernel} if cache is not None else {}
+        return cls(p.name, p.sink, p.recent, p.group_size, **backend)
 
     @cached_property
     def spec(self) -> QuantizerSpec:

@@ -39,8 +39,7 @@ class Prepared:
 
 
 def run_policy(cfg) -> CachePolicy:
-    p = cfg.precision
-    return CachePolicy(p.name, p.sink, p.recent, p.group_size)
+    return CachePolicy.from_config(cfg)
 
 
 def equivalence_sequences(cfg, paths, tokenizer, n: int = 2):
@@ -88,5 +87,5 @@ def prepare(cfg, paths, load_model: bool = True) -> Prepared:
         )
         if result.report:
             prepared.metrics["method/report"] = result.report
-    set_policy(model, precision=policy.precision)
+    set_policy(model, precision=policy.precision, backend=policy.backend, kernel=policy.kernel)
     return prepared

@@ -89,6 +89,16 @@ def mla_forward(
 
     b, n = hidden_states.shape[:2]
     past = cache.get_seq_length(module.layer_idx) if cache is not None else 0
+    if cache is not None and policy.backend == "packed" and policy.spec.quantized:
+        from kernels.paged_cache.cache_layer import packed_attention
+        from quantmla.memory import CacheLayout
+
+        q_slots = past + torch.arange(n, device=proj.c.device)
+        allowed = _allowed_mask(attention_mask, q_slots, past + n, b)
+        layout = CacheLayout(
+            policy.spec, patch.geometry.d_c, patch.geometry.d_r, policy.sink, policy.recent
+        )
+        return packed_attention(module, patch, proj, cache, allowed, layout), None
     c, k_rot = proj.c, proj.k_rot
     hats = None
     if cache is not None:

@@ -1,7 +1,6 @@
 """kernels/paged_cache: the writer (Triton bit-exact vs the reference built on the quantizer) and
 the decode kernel (vs dequantize-then-simulator attention), under TRITON_INTERPRET=1 on CPU."""
 
-
 import math
 
 import pytest
@@ -142,7 +141,9 @@ def filled_pool(precision, lengths, d_c=128, d_r=64, heads=4, seed=0, n_pages=No
 
 
 def cosine(a, b):
-    return float(torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0))
+    return float(
+        torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0)
+    )
 
 
 # Tolerances (fp32 kernel vs float64 reference on the same dequantized values): relative

@@ -99,7 +99,9 @@ if triton is not None:
         g = tl.arange(0, GROUPS)
         meta_at = page_base + rows[:, None] * (GROUPS * META_BYTES) + g[None, :] * META_BYTES
         scale = _load_meta(ptr, SCALES_AT + meta_at, META_BYTES)  # (TILE, GROUPS)
-        zero = tl.load(ptr + page_base + ZEROS_AT + rows[:, None] * GROUPS + g[None, :]).to(tl.float32)
+        zero = tl.load(ptr + page_base + ZEROS_AT + rows[:, None] * GROUPS + g[None, :]).to(
+            tl.float32
+        )
         scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (TILE, GROUPS, GROUP)), (TILE, DIM))
         zero = tl.reshape(tl.broadcast_to(zero[:, :, None], (TILE, GROUPS, GROUP)), (TILE, DIM))
         return (codes - zero) * scale
@@ -160,8 +162,16 @@ if triton is not None:
         hmask = heads < n_heads
         dc = tl.arange(0, D_C)
         dr = tl.arange(0, D_R)
-        q = tl.load(q_ptr + (b * n_heads + heads[:, None]) * D_C + dc[None, :], mask=hmask[:, None], other=0.0)
-        qr = tl.load(qr_ptr + (b * n_heads + heads[:, None]) * D_R + dr[None, :], mask=hmask[:, None], other=0.0)
+        q = tl.load(
+            q_ptr + (b * n_heads + heads[:, None]) * D_C + dc[None, :],
+            mask=hmask[:, None],
+            other=0.0,
+        )
+        qr = tl.load(
+            qr_ptr + (b * n_heads + heads[:, None]) * D_R + dr[None, :],
+            mask=hmask[:, None],
+            other=0.0,
+        )
         m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_H,), tl.float32)
         acc = tl.zeros((BLOCK_H, D_C), tl.float32)
@@ -176,8 +186,32 @@ if triton is not None:
                 base = phys * PAGE_BYTES  # int64 byte offset
                 pos = page * 64 + rows
                 keep = (pos < T) & (pos >= SINK) & (pos < T - RECENT)
-                c = _dequant_tile(store_ptr, base, rows, D_C, GROUP, C_BITS, C_META, C_CODES, C_SCALES, C_ZEROS, 64)
-                k = _dequant_tile(store_ptr, base, rows, D_R, GROUP, R_BITS, R_META, R_CODES, R_SCALES, R_ZEROS, 64)
+                c = _dequant_tile(
+                    store_ptr,
+                    base,
+                    rows,
+                    D_C,
+                    GROUP,
+                    C_BITS,
+                    C_META,
+                    C_CODES,
+                    C_SCALES,
+                    C_ZEROS,
+                    64,
+                )
+                k = _dequant_tile(
+                    store_ptr,
+                    base,
+                    rows,
+                    D_R,
+                    GROUP,
+                    R_BITS,
+                    R_META,
+                    R_CODES,
+                    R_SCALES,
+                    R_ZEROS,
+                    64,
+                )
                 c = tl.where(keep[:, None], c, 0.0)  # rows past T hold stale bytes: never 0·NaN
                 k = tl.where(keep[:, None], k, 0.0)
                 m_i, l_i, acc = _online_update(q, qr, c, k, keep, m_i, l_i, acc, scaling, DOT)
@@ -188,8 +222,12 @@ if triton is not None:
                 pos = tl.where(r < SINK, r, (T - 1) - ((T - 1 - ring) % RECENT))
                 keep = (r < PROT_ROWS) & (pos >= 0) & (pos < T) & ((r < SINK) | (pos >= SINK))
                 row_at = (b.to(tl.int64) * PROT_ROWS + r[:, None]) * (D_C + D_R)
-                c = tl.load(prot_ptr + row_at + dc[None, :], mask=keep[:, None], other=0.0).to(tl.float32)
-                k = tl.load(prot_ptr + row_at + D_C + dr[None, :], mask=keep[:, None], other=0.0).to(tl.float32)
+                c = tl.load(prot_ptr + row_at + dc[None, :], mask=keep[:, None], other=0.0).to(
+                    tl.float32
+                )
+                k = tl.load(
+                    prot_ptr + row_at + D_C + dr[None, :], mask=keep[:, None], other=0.0
+                ).to(tl.float32)
                 m_i, l_i, acc = _online_update(q, qr, c, k, keep, m_i, l_i, acc, scaling, DOT)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
@@ -198,7 +236,16 @@ if triton is not None:
         tl.store(lse_ptr + part, lse, mask=hmask)
 
     @triton.jit
-    def _merge_kernel(o_ptr, lse_ptr, out_ptr, out_lse_ptr, n_heads, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D_C: tl.constexpr):
+    def _merge_kernel(
+        o_ptr,
+        lse_ptr,
+        out_ptr,
+        out_lse_ptr,
+        n_heads,
+        SPLITS: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        D_C: tl.constexpr,
+    ):
         """Second stage: o = Σ e^{lse_s − m} o_s / Σ e^{lse_s − m}, lse = m + log Σ e^{lse_s − m}."""
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -211,10 +258,15 @@ if triton is not None:
         w = tl.exp(lse - m_safe)
         total = tl.sum(w, axis=0)
         dc = tl.arange(0, D_C)
-        o = tl.load(o_ptr + part[:, None].to(tl.int64) * D_C + dc[None, :], mask=smask[:, None], other=0.0)
+        o = tl.load(
+            o_ptr + part[:, None].to(tl.int64) * D_C + dc[None, :], mask=smask[:, None], other=0.0
+        )
         out = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
         tl.store(out_ptr + (b * n_heads + h) * D_C + dc, out)
-        tl.store(out_lse_ptr + b * n_heads + h, tl.where(total > 0, m_safe + tl.log(total), float("-inf")))
+        tl.store(
+            out_lse_ptr + b * n_heads + h,
+            tl.where(total > 0, m_safe + tl.log(total), float("-inf")),
+        )
 
 
 def default_splits(max_tokens: int, batch: int, target_programs: int = 132) -> int:
@@ -235,7 +287,9 @@ def stacked_inputs(pool: PagePool, request_ids) -> tuple[torch.Tensor, torch.Ten
     return table.to(pool.device), lens.to(pool.device), prot
 
 
-def decode_triton(pool, request_ids, q_lat, q_rope, scaling, num_splits=None, block_h=None, dot_dtype=None):
+def decode_triton(
+    pool, request_ids, q_lat, q_rope, scaling, num_splits=None, block_h=None, dot_dtype=None
+):
     """(o (B, H, d_c) float32, lse (B, H)) from the packed pages + protected rows."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("decode_triton needs the triton package")
@@ -248,7 +302,11 @@ def decode_triton(pool, request_ids, q_lat, q_rope, scaling, num_splits=None, bl
     splits = num_splits or default_splits(int(lens.max()), B)
     block_h = block_h or max(16, min(64, triton.next_power_of_2(H)))
     interpreted = q_lat.device.type == "cpu"
-    dot = {None: tl.float32 if interpreted else tl.bfloat16, torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}[dot_dtype]
+    dot = {
+        None: tl.float32 if interpreted else tl.bfloat16,
+        torch.float32: tl.float32,
+        torch.bfloat16: tl.bfloat16,
+    }[dot_dtype]
     o_part = torch.empty(B, splits + 1, H, layout.d_c, dtype=torch.float32, device=q_lat.device)
     lse_part = torch.empty(B, splits + 1, H, dtype=torch.float32, device=q_lat.device)
     meta = {torch.bfloat16: 2, torch.float32: 4}
@@ -288,6 +346,13 @@ def decode_triton(pool, request_ids, q_lat, q_rope, scaling, num_splits=None, bl
     out = torch.empty(B, H, layout.d_c, dtype=torch.float32, device=q_lat.device)
     out_lse = torch.empty(B, H, dtype=torch.float32, device=q_lat.device)
     _merge_kernel[(B, H)](
-        o_part, lse_part, out, out_lse, H, SPLITS=splits + 1, BLOCK_S=triton.next_power_of_2(splits + 1), D_C=layout.d_c
+        o_part,
+        lse_part,
+        out,
+        out_lse,
+        H,
+        SPLITS=splits + 1,
+        BLOCK_S=triton.next_power_of_2(splits + 1),
+        D_C=layout.d_c,
     )
     return out, out_lse

@@ -45,11 +45,18 @@ class PagePool:
     """Physical pages of one layer: `storage` (n_pages, page_bytes) uint8 and `reverse_map`
     (n_pages,) int64 = (request id << 32) | logical page, or FREE."""
 
-    def __init__(self, layout: CacheLayout, n_pages: int, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        layout: CacheLayout,
+        n_pages: int,
+        device: str | torch.device = "cpu",
+        protection_dtype: torch.dtype = torch.bfloat16,
+    ):
         if n_pages < 1:
             raise QuantMLAError(f"n_pages={n_pages} is not allowed; allowed: >= 1")
         layout.spec.check_dims(layout.d_c, layout.d_r)  # group size divides both paths
         self.layout, self.n_pages, self.device = layout, n_pages, torch.device(device)
+        self.protection_dtype = protection_dtype  # BF16 (the layout's bytes); a float32 model: FP32
         self.storage = torch.zeros(n_pages, layout.page_bytes(), dtype=torch.uint8, device=device)
         self.reverse_map = torch.full((n_pages,), FREE, dtype=torch.int64, device=device)
         self.free: list[int] = list(range(n_pages - 1, -1, -1))  # pop() hands out page 0 first
@@ -61,7 +68,10 @@ class PagePool:
             raise RequestStateError(f"request {request_id} is already in the pool")
         protected = self.layout.sink + self.layout.recent if self.layout.quantized else 0
         buffer = torch.zeros(
-            protected, self.layout.d_c + self.layout.d_r, dtype=torch.bfloat16, device=self.device
+            protected,
+            self.layout.d_c + self.layout.d_r,
+            dtype=self.protection_dtype,
+            device=self.device,
         )
         request = Request(request_id, protection=buffer)
         self.requests[request_id] = request
@@ -89,6 +99,18 @@ class PagePool:
         request.pages.extend(new)
         request.tokens += n_tokens
         return new
+
+    def grow(self, extra_pages: int) -> None:
+        """Add `extra_pages` free pages (storage reallocated and copied; page numbers unchanged)."""
+        old = self.n_pages
+        storage = torch.zeros(
+            old + extra_pages, self.storage.shape[1], dtype=torch.uint8, device=self.device
+        )
+        storage[:old] = self.storage
+        reverse = torch.full((old + extra_pages,), FREE, dtype=torch.int64, device=self.device)
+        reverse[:old] = self.reverse_map
+        self.storage, self.reverse_map, self.n_pages = storage, reverse, old + extra_pages
+        self.free = list(range(old + extra_pages - 1, old - 1, -1)) + self.free
 
     def release(self, request_id: int) -> None:
         """Return every page of the request to the free list (a second release raises)."""

@@ -22,7 +22,8 @@ from typing import Any
 
 # Config keys (dotted paths) that never change a result: where things are written or read from,
 # logging, and re-run control. The experiment name is part of the record's path instead.
-NON_RESULT_KEYS = ("paths", "force", "threads", "logger", "hydra", "experiment_name")
+# `cache`: the packed backend computes the simulator's function (tests/test_packed_generation.py)
+NON_RESULT_KEYS = ("paths", "force", "threads", "logger", "hydra", "experiment_name", "cache")
 TRACKED_PACKAGES = (
     "torch",
     "transformers",
