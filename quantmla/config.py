@@ -157,10 +157,19 @@ class RunConfig:
     threads: int = opt(0, "torch CPU threads (0: torch's default)")
 
 
+@dataclass
+class GenerateConfig(RunConfig):
+    """`python -m quantmla.generate`: a run config plus the prompt."""
+
+    prompt: str = opt("The history of", "text to continue (greedy)")
+    max_new_tokens: int = opt(32, "tokens to generate")
+
+
 def register_schemas() -> None:
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="run_schema", node=RunConfig)
+    ConfigStore.instance().store(name="generate_schema", node=GenerateConfig)
 
 
 register_schemas()

@@ -80,3 +80,21 @@ def test_packed_backend_refuses_padding_and_beam_search(tiny):
             model.generate(ids[:, :20], max_new_tokens=2, num_beams=2, do_sample=False)
     finally:
         unpatch_model(model)
+
+
+@needs_tiny
+def test_generate_entry_point_prints_continuation_speed_and_bytes(capsys, monkeypatch):
+    import sys
+
+    from quantmla import generate
+
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["quantmla.generate", "prompt=The history of", "max_new_tokens=3", "cache.kernel=torch",
+         f"paths.data_dir={DATA_DIR}"],
+    )
+    generate.main()
+    out = capsys.readouterr().out
+    assert "3 tokens in" in out and "cache.backend=packed" in out
+    assert "cache bytes held for" in out and "BF16 latent cache" in out

@@ -133,7 +133,7 @@ def _write_protection(pool: PagePool, request_id: int, c, k_r) -> None:
         return
     n = c.shape[0]
     pos = torch.arange(request.tokens - n, request.tokens)
-    rows = torch.cat([c, k_r], dim=-1).to(torch.bfloat16)
+    rows = torch.cat([c, k_r], dim=-1).to(request.protection.dtype)
     keep = (pos < layout.sink) | (pos >= request.tokens - layout.recent)
     slot = torch.where(pos < layout.sink, pos, layout.sink + pos % max(layout.recent, 1))
     request.protection[slot[keep].to(request.protection.device)] = rows[keep].to(
