@@ -1,8 +1,9 @@
 """Regenerate a figure (PNG and PDF) from the results store only.
 
-    python -m analysis.figures {fig2,fig4,fig5a,fig6,fig7} [--experiment NAME] [--results results] [--out docs]
+    python -m analysis.figures {fig2,fig4,fig5a,fig5b,fig6,fig7} [--experiment NAME] [--results results] [--out docs]
 
 `fig4`: RULER S-NIAH accuracy vs context length (`experiment=fig4_ruler`).
+`fig5b`: decode latency relative to BF16 vs context (`experiment=fig5b_latency`, needs a GPU).
 
 `fig2`, `fig6`: the sensitivity study (`experiment=fig2_sensitivity`, analysis/sensitivity.py);
 `fig7`: the operator analysis (`experiment=table5_probes`, analysis/probes.py).
@@ -146,6 +147,58 @@ def fig4(records: list[dict], out: Path, stem: str) -> list[Path]:
     return save(fig, out, stem)
 
 
+def fig5b(records: list[dict], out: Path, stem: str) -> list[Path]:
+    """Decode latency relative to the BF16 kernel vs context, per model (h_q) and batch, with the
+    paper's −7.42 %…+4.29 % band for C4R4."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    band = yaml.safe_load(PAPER.read_text())["fig5b_latency"]["c4r4"]
+    panels = [
+        (r, batch)
+        for r in sorted(records, key=lambda r: r["metrics"].get("latency/heads", 0))
+        for batch in (8, 32)
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (record, batch) in zip(axes[0], panels):
+        m = record["metrics"]
+        ax.axhspan(
+            1 + band["vs_bf16_min_pct"] / 100,
+            1 + band["vs_bf16_max_pct"] / 100,
+            color="0.85",
+            label="paper C4R4 band",
+        )
+        variants = sorted(
+            {k.split("/")[1] for k in m if k.startswith("vs_bf16/") and k.split("/")[1] != "bf16"}
+        )
+        for variant in variants:
+            keys = sorted(
+                (int(k.split("/")[3]), v)
+                for k, v in m.items()
+                if k.startswith(f"vs_bf16/{variant}/b{batch}/")
+            )
+            if keys:
+                style = {"c4r4": "C0-o", "c2r4": "C3-s"}.get(variant, "--")
+                ax.plot(
+                    [c for c, _ in keys], [v for _, v in keys], style, label=variant, markersize=4
+                )
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(
+            f"{record['config']['model']['name']} (h_q {m.get('latency/heads')}), batch {batch}",
+            fontsize=9,
+        )
+        ax.set_xlabel("context (tokens)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("decode step latency / BF16 kernel")
+    device = records[0]["metrics"].get("latency/device", "?")
+    fig.suptitle(f"Decode attention latency, CUDA-graph median, {device}", fontsize=10)
+    return save(fig, out, stem)
+
+
 def save(fig, out: Path, stem: str) -> list[Path]:
     """PNG + PDF without timestamps or version stamps (byte-identical when nothing changed)."""
     import matplotlib.pyplot as plt
@@ -186,12 +239,13 @@ def _figures():
         "fig2": (_named(sensitivity.fig2, "fig2_sensitivity"), "fig2_sensitivity"),
         "fig4": (_named(fig4, "fig4_ruler"), "fig4_ruler"),
         "fig5a": (_fig5a, "fig5a_memory"),
+        "fig5b": (_named(fig5b, "fig5b_latency"), "fig5b_latency"),
         "fig6": (_named(sensitivity.fig6, "fig6_sensitivity_layers"), "fig2_sensitivity"),
         "fig7": (_named(probes.fig7, "fig7_operator"), "table5_probes"),
     }
 
 
-FIGURES = ("fig2", "fig4", "fig5a", "fig6", "fig7")
+FIGURES = ("fig2", "fig4", "fig5a", "fig5b", "fig6", "fig7")
 
 
 def main() -> None:

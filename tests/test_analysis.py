@@ -72,3 +72,23 @@ def test_tiny_table_lower_is_better_merges_jobs_and_averages_only_tasks():
     )
     assert by[("C2R4", "RTN")][3] == "12.000"
     assert [r[1] for r in rows[1:]][0] == "BF16"
+
+
+def test_fig4_and_fig5b_draw_from_records(tmp_path):
+    from analysis.figures import fig4, fig5b
+
+    config = {
+        "model": {"name": "deepseek_v2_lite"},
+        "precision": {"name": "c4r4"},
+        "method": {"name": "quantmla"},
+    }
+    latency = {"latency/heads": 16, "latency/device": "test"}
+    for variant in ("bf16", "c4r4", "c2r4", "c4r4-dequant"):
+        for context in (4096, 32768):
+            for batch in (8, 32):
+                latency[f"vs_bf16/{variant}/b{batch}/{context}"] = 1.0 if variant == "bf16" else 0.5
+    ruler = {f"ruler/s_niah_{i}/{n}": 50.0 for i in (1, 2, 3) for n in (4096, 8192)}
+    ruler |= {f"ruler/s_niah_{i}/avg": 50.0 for i in (1, 2, 3)} | {"ruler/samples_per_length": 5}
+    written = fig5b([{"config": config, "metrics": latency}], tmp_path, "f5b")
+    written += fig4([{"config": config, "metrics": ruler}], tmp_path, "f4")
+    assert all(p.stat().st_size > 1000 for p in written)

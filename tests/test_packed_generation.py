@@ -91,8 +91,13 @@ def test_generate_entry_point_prints_continuation_speed_and_bytes(capsys, monkey
     monkeypatch.setattr(
         sys,
         "argv",
-        ["quantmla.generate", "prompt=The history of", "max_new_tokens=3", "cache.kernel=torch",
-         f"paths.data_dir={DATA_DIR}"],
+        [
+            "quantmla.generate",
+            "prompt=The history of",
+            "max_new_tokens=3",
+            "cache.kernel=torch",
+            f"paths.data_dir={DATA_DIR}",
+        ],
     )
     generate.main()
     out = capsys.readouterr().out

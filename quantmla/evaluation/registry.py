@@ -61,7 +61,13 @@ EVALUATORS: dict[str, Evaluator] = {
             "quantmla.evaluation.probes",
             "Rademacher-probe operator analysis (Tables 5/6, Fig. 7)",
         ),
-        Evaluator("latency", None, "decode latency of the packed-cache kernels (Fig. 5b)"),
+        Evaluator(
+            "latency",
+            "quantmla.evaluation.latency",
+            "decode latency of the packed-cache kernels (Fig. 5b; CUDA only)",
+            needs_model=False,
+            needs_data=False,
+        ),
         Evaluator("throughput", None, "cache-pressure throughput (Fig. 5c)"),
     )
 }
