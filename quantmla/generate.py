@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 
 def cache_bytes(cache) -> int:
@@ -60,32 +59,20 @@ def generate(cfg) -> dict:
         f"{held:,} (BF16 latent cache of the same tokens: {bf16:,}; ratio {bf16 / held:.2f}x; "
         "the fixed protection buffers dominate short contexts)"
     )
-    return {"text": tokenizer.decode(new), "tokens_per_s": len(new) / seconds, "bytes": held, "bf16_bytes": bf16}
+    return {
+        "text": tokenizer.decode(new),
+        "tokens_per_s": len(new) / seconds,
+        "bytes": held,
+        "bf16_bytes": bf16,
+    }
 
 
 def main() -> None:
-    import hydra
-
-    import quantmla.config  # noqa: F401  (registers the schemas)
-    from quantmla.run import route_precision
+    from quantmla.run import hydra_app, route_precision
 
     sys.argv[1:] = route_precision(sys.argv[1:])
-    conf = Path(__file__).resolve().parents[1] / "conf"
-
-    @hydra.main(version_base=None, config_path=str(conf), config_name="generate")
-    def app(cfg) -> None:
-        from omegaconf import OmegaConf
-
-        from quantmla.errors import QuantMLAError
-
-        try:
-            generate(OmegaConf.to_object(cfg))
-        except QuantMLAError as err:
-            print(f"error: {err}", file=sys.stderr)
-            sys.exit(2)
-
     try:
-        app()
+        hydra_app("generate", generate)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         sys.exit(130)

@@ -148,6 +148,30 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
+def hydra_app(config_name: str, job) -> None:
+    """Run `job(config object)` as the Hydra app of `conf/<config_name>.yaml`; a QuantMLAError is
+    one line on stderr and exit code 2."""
+    import hydra
+
+    import quantmla.config  # noqa: F401  (registers the structured-config schemas)
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+
+    @hydra.main(version_base=None, config_path=str(conf), config_name=config_name)
+    def app(cfg) -> None:
+        from omegaconf import OmegaConf
+
+        from quantmla.errors import QuantMLAError
+
+        try:
+            job(OmegaConf.to_object(cfg))
+        except QuantMLAError as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
+
+    app()
+
+
 def main() -> None:
     argv = sys.argv[1:]
     if "--help" in argv or "-h" in argv:
@@ -155,25 +179,7 @@ def main() -> None:
         return
     sys.argv[1:] = route_precision(argv)
     try:
-        import hydra
-
-        import quantmla.config  # noqa: F401  (registers the structured-config schema)
-
-        conf = Path(__file__).resolve().parents[1] / "conf"
-
-        @hydra.main(version_base=None, config_path=str(conf), config_name="config")
-        def app(cfg) -> None:
-            from omegaconf import OmegaConf
-
-            from quantmla.errors import QuantMLAError
-
-            try:
-                run(OmegaConf.to_object(cfg))
-            except QuantMLAError as err:
-                print(f"error: {err}", file=sys.stderr)
-                sys.exit(2)
-
-        app()
+        hydra_app("config", run)
     except KeyboardInterrupt:
         _interrupted()
 

@@ -19,13 +19,14 @@ def model():
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-def greedy(model, prompt, steps=12):
+def greedy(model, prompt, steps=12, cache=None):
     return model.generate(
         prompt,
         max_new_tokens=steps,
         do_sample=False,
         output_logits=True,
         return_dict_in_generate=True,
+        cache=cache,
     )
 
 

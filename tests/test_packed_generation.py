@@ -12,6 +12,7 @@ from quantmla.errors import ConfigError
 from quantmla.memory import CacheLayout
 from quantmla.spec import QuantizerSpec
 from tests.conftest import DATA_DIR, TINY_MLA, needs_tiny
+from tests.test_generation import greedy
 
 
 @pytest.fixture(scope="module")
@@ -20,17 +21,6 @@ def tiny():
     tokenizer = AutoTokenizer.from_pretrained(TINY_MLA)
     text = (DATA_DIR / "wikitext-2-raw-v1" / "wiki.test.raw").read_text()[:4000]
     return model, tokenizer(text, return_tensors="pt").input_ids
-
-
-def greedy(model, prompt, steps, cache=None):
-    return model.generate(
-        prompt,
-        max_new_tokens=steps,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        cache=cache,
-    )
 
 
 @needs_tiny

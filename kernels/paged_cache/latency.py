@@ -236,10 +236,11 @@ def run_case(batch, context, heads, rounds, reps, with_baselines=True) -> list[d
             def dequant_then_bf16(
                 p_pool=p_pool, p_table=p_table, p_lens=p_lens, workspace=workspace
             ):
-                from kernels.paged_cache.decode import _dequant_pages_kernel, _layout_constants
+                from kernels.paged_cache.decode import _dequant_pages_kernel
+                from kernels.paged_cache.writer import layout_constants
 
                 _dequant_pages_kernel[(p_pool.n_pages,)](
-                    p_pool.storage, workspace, **_layout_constants(p_pool.layout)
+                    p_pool.storage, workspace, **layout_constants(p_pool.layout)
                 )
                 launch_decode(
                     q,

@@ -282,32 +282,32 @@ if triton is not None:
         )
 
 
+def layout_constants(layout: CacheLayout) -> dict:
+    """The kernels' compile-time description of a layout: dims, bits, metadata bytes and each
+    section's byte offset inside a page."""
+    check_packable(layout)
+    content, rope = paths(layout)
+    if torch.float16 in (content.meta_dtype, rope.meta_dtype):
+        raise ConfigError("metadata dtype (Triton kernels)", "float16", ("bfloat16", "float32"))
+    sec = layout.sections()
+    out = {"D_C": layout.d_c, "D_R": layout.d_r, "GROUP": layout.spec.group_size}
+    out["PAGE_BYTES"] = layout.page_bytes()
+    for prefix, path in (("C", content), ("R", rope)):
+        out[f"{prefix}_BITS"] = path.bits
+        out[f"{prefix}_META"] = path.meta_dtype.itemsize
+        for kind in ("codes", "scales", "zeros"):
+            out[f"{prefix}_{kind.upper()}"] = sec[f"{path.name}_{kind}"][0]
+    return out
+
+
 def _write_triton(pool: PagePool, pages, slots, c, k_r) -> None:
     if triton is None:  # pragma: no cover
         raise RuntimeError("backend=triton needs the triton package")
-    layout, sec = pool.layout, pool.layout.sections()
-    content, rope = paths(layout)
-    meta = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
-    if torch.float16 in (content.meta_dtype, rope.meta_dtype):
-        raise ConfigError("metadata dtype (triton writer)", "float16", ("bfloat16", "float32"))
     _writer_kernel[(c.shape[0],)](
         c.float().contiguous(),
         k_r.float().contiguous(),
         pages.contiguous(),
         slots.contiguous(),
         pool.storage,
-        PAGE_BYTES=layout.page_bytes(),
-        GROUP=layout.spec.group_size,
-        D_C=content.dim,
-        C_BITS=content.bits,
-        C_META=meta[content.meta_dtype],
-        C_CODES=sec["content_codes"][0],
-        C_SCALES=sec["content_scales"][0],
-        C_ZEROS=sec["content_zeros"][0],
-        D_R=rope.dim,
-        R_BITS=rope.bits,
-        R_META=meta[rope.meta_dtype],
-        R_CODES=sec["rope_codes"][0],
-        R_SCALES=sec["rope_scales"][0],
-        R_ZEROS=sec["rope_zeros"][0],
+        **layout_constants(pool.layout),
     )

@@ -23,7 +23,11 @@ def evaluate(cfg, prepared) -> dict:
     heads = prepared.model_config.num_attention_heads
     name = torch.cuda.get_device_name(0)
     spec, copy = spec_bandwidth(name), measured_copy_bandwidth()
-    metrics: dict = {"latency/device": name, "latency/heads": heads, "latency/hbm_copy_gbps": copy / 1e9}
+    metrics: dict = {
+        "latency/device": name,
+        "latency/heads": heads,
+        "latency/hbm_copy_gbps": copy / 1e9,
+    }
     for batch in BATCHES:
         for context in cfg.eval.context_lengths:
             for row in run_case(batch, context, heads, rounds=5, reps=100):
@@ -44,7 +48,9 @@ def evaluate(cfg, prepared) -> dict:
 def format_table(record: dict) -> str:
     m = record["metrics"]
     lines = [f"{'variant/batch/context':<32}{'ms':>10}{'×bf16':>8}{'GB/s':>9}"]
-    for key in sorted(k.removeprefix("latency/") for k in m if k.startswith("latency/") and k.count("/") == 3):
+    for key in sorted(
+        k.removeprefix("latency/") for k in m if k.startswith("latency/") and k.count("/") == 3
+    ):
         lines.append(
             f"{key:<32}{m[f'latency/{key}']:>10.3f}{m[f'vs_bf16/{key}']:>8.3f}{m[f'gbps/{key}']:>9.0f}"
         )
