@@ -107,17 +107,20 @@ if triton is not None:
         return (codes - zero) * scale
 
     @triton.jit
-    def _online_update(q, qr, c, k, keep, m_i, l_i, acc, scaling, DOT: tl.constexpr):
-        """One tile of the online softmax: scores, running max/sum, and PV with the same tile."""
-        s = tl.dot(q.to(DOT), tl.trans(c.to(DOT)), input_precision="ieee")
-        s += tl.dot(qr.to(DOT), tl.trans(k.to(DOT)), input_precision="ieee")
+    def _online_update(
+        q, qr, c, k, keep, m_i, l_i, acc, scaling, DOT: tl.constexpr, PREC: tl.constexpr
+    ):
+        """One tile of the online softmax: scores, running max/sum, and PV with the same tile
+        (fp32 operands multiply exactly — PREC "ieee" — on CPU; BF16 operands on a GPU)."""
+        s = tl.dot(q.to(DOT), tl.trans(c.to(DOT)), input_precision=PREC)
+        s += tl.dot(qr.to(DOT), tl.trans(k.to(DOT)), input_precision=PREC)
         s = tl.where(keep[None, :], s * scaling, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), c.to(DOT), input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), c.to(DOT), input_precision=PREC)
         return m_new, l_i, acc
 
     @triton.jit
@@ -154,6 +157,7 @@ if triton is not None:
         RECENT: tl.constexpr,
         PROT_ROWS: tl.constexpr,
         DOT: tl.constexpr,
+        PREC: tl.constexpr,
         BF16_PAGES: tl.constexpr,
     ):
         b = tl.program_id(0)
@@ -223,7 +227,7 @@ if triton is not None:
                     )
                     c = tl.where(keep[:, None], c, 0.0)  # rows past T hold stale bytes: never 0·NaN
                     k = tl.where(keep[:, None], k, 0.0)
-                m_i, l_i, acc = _online_update(q, qr, c, k, keep, m_i, l_i, acc, scaling, DOT)
+                m_i, l_i, acc = _online_update(q, qr, c, k, keep, m_i, l_i, acc, scaling, DOT, PREC)
         else:  # the protected rows: sinks at their position, the ring at sink + pos % recent
             for start in range(0, PROT_ROWS, 64):
                 r = start + rows
@@ -237,7 +241,7 @@ if triton is not None:
                 k = tl.load(
                     prot_ptr + row_at + D_C + dr[None, :], mask=keep[:, None], other=0.0
                 ).to(tl.float32)
-                m_i, l_i, acc = _online_update(q, qr, c, k, keep, m_i, l_i, acc, scaling, DOT)
+                m_i, l_i, acc = _online_update(q, qr, c, k, keep, m_i, l_i, acc, scaling, DOT, PREC)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         part = (b * (NUM_SPLITS + 1) + split) * n_heads + heads
@@ -395,6 +399,7 @@ def launch_decode(  # the benchmark calls this with inputs prepared once (graph-
         RECENT=max(layout.recent, 1),
         PROT_ROWS=0 if paged else layout.sink + layout.recent,
         DOT=dot,
+        PREC="ieee" if dot == tl.float32 else "tf32",
         BF16_PAGES=paged,
         num_warps=num_warps,
     )
