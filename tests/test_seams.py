@@ -30,8 +30,10 @@ def test_registries_are_the_one_name_list():
     assert METHOD_LABEL["quarot"] == "QuaRot†"
     names = {p.stem for p in (REPO / "conf" / "method").glob("*.yaml")}
     assert names == set(METHODS)
+    from tests.conftest import run_config
+
     kinds = {
-        p.read_text().split("kind: ")[1].split()[0] for p in (REPO / "conf" / "eval").glob("*.yaml")
+        run_config(f"eval={p.stem}").eval.kind for p in (REPO / "conf" / "eval").glob("*.yaml")
     }
     assert kinds <= set(EVALUATORS)
 

@@ -173,8 +173,8 @@ def test_launchers_resolve(launcher):
 
 
 def test_not_implemented_artifacts_stop_cleanly():
-    with pytest.raises(NotImplementedYet, match="eval.kind='ruler' is not implemented yet"):
-        validate(OmegaConf.to_object(resolved("eval=ruler")))
+    with pytest.raises(NotImplementedYet, match="eval.kind='throughput' is not implemented yet"):
+        validate(OmegaConf.to_object(resolved("eval=throughput")))
 
 
 @pytest.mark.slow
