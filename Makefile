@@ -5,7 +5,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup run test test-full lint format bench train-tiny sweep-tiny tables figures
+.PHONY: setup run test test-full lint format bench bench-gpu train-tiny sweep-tiny tables figures
 
 setup:
 	test -x $(PY) || python3 -m venv .venv
@@ -32,6 +32,10 @@ format:
 
 bench:
 	$(PY) benchmarks/simulator_overhead.py
+
+bench-gpu:   # Fig. 5b on one GPU (< 8 min), then its GPU-only tests; on a CPU: a function check
+	$(PY) benchmarks/decode_latency.py --quick
+	$(PY) -m pytest -q -m gpu tests/test_paged_kernels.py
 
 train-tiny:
 	$(PY) -m experiments.train_tiny_mla
