@@ -25,6 +25,8 @@ Main commands
   python -m quantmla.run precision=c2r4 method=quantmla   one job (any c<x>r<y>: precision=c3r4 works too)
   python -m quantmla.run -m method=rtn,quarot precision=c4r4,c2r4      a sweep (resumes when rerun)
   python -m quantmla.run experiment=tiny_table1           a paper artifact's sweep (conf/experiment/)
+  python -m quantmla.run eval=table1_suite eval.tasks=[piqa] eval.limit=50   lm-eval columns (also table2_suite, ruler)
+  python -m quantmla.generate prompt="..." cache.backend=packed               generate through the packed cache
   python -m analysis.tables tiny_table1                   rebuild a table from the records
   python -m quantmla.run --cfg job [overrides]            print the composed config
   python -m quantmla.run --hydra-help                     Hydra's own options (launchers, sweeps)
