@@ -246,6 +246,13 @@ def validate(cfg: RunConfig):
 
         data_dir = resolve_data_dir(paths.data_dir)
         check_lm_eval(cfg.eval, getattr(model_config, "max_position_embeddings", None), data_dir)
+        if policy.backend == "packed" and cfg.eval.batch_size > 1:
+            raise ConfigError(
+                "eval.batch_size",
+                cfg.eval.batch_size,
+                "1 with cache.backend=packed (lm-eval left-pads batched prompts; the packed cache "
+                "has no per-request start offset yet)",
+            )
         if evaluator.kind == "ruler" and data_mode(cfg.eval, data_dir) == "local":
             check_essays(paths.data_dir)
     if evaluator.kind in ("sensitivity", "probes"):

@@ -352,6 +352,7 @@ def _validate(*overrides):
         (["eval=ruler", "eval.context_lengths=[3000]"], "eval.context_lengths.*3000"),
         (["eval=ruler", "eval.tasks=[s_niah_4]"], "s_niah_4.*s_niah_1"),
         (["eval=table2_suite", "eval.tasks=[humaneval]"], "HF_ALLOW_CODE_EVAL=1"),
+        (["eval=table1_suite", "eval.tasks=[piqa]", "cache.backend=packed"], "eval.batch_size"),
     ],
 )
 def test_bad_suite_input_is_one_line_before_anything_loads(overrides, match, monkeypatch):
