@@ -79,7 +79,6 @@ def evaluate(cfg, prepared) -> dict:
         limit=ev.limit,
     )
     metrics: dict = {"lm_eval/version": lm_eval.__version__, "lm_eval/limit": ev.limit}
-    metric_name, _, filt = "", "", ""
     for t in tasks:
         key = t.result_key(data)
         row = results["results"][key]
