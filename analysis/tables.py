@@ -82,6 +82,14 @@ TINY = (
     Column("nmse/attn_mean", "attn-output NMSE", "{:.3e}", False),
     *_task_columns(TINY_TASKS, stderr=True),
 )
+TINY_V2 = (
+    *TINY[:3],
+    *(
+        Column(f"retrieval/{h}/{n}", f"{h} {n // 1024}K retrieval %", "{:.1f}")
+        for h in ("noise", "c4")
+        for n in (1024, 2048)
+    ),
+)
 LAYOUTS = {
     "table1": Layout(
         "table1", _task_columns(TABLE1_TASKS), tuple(f"acc/{t}" for t in TABLE1_TASKS), "table1"
@@ -90,6 +98,7 @@ LAYOUTS = {
         "table2", _task_columns(TABLE2_TASKS), tuple(f"acc/{t}" for t in TABLE2_TASKS), "table2"
     ),
     "tiny_table1": Layout("tiny_table1", TINY, tuple(f"acc/{t}" for t in TINY_TASKS)),
+    "tiny_table1_v2": Layout("tiny_table1_v2", TINY_V2),
 }
 
 

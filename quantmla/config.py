@@ -128,6 +128,9 @@ class EvalConfig:
     )
     max_gen_toks: int | None = opt(None, "generation budget for every generate task (null: task's)")
     apply_chat_template: bool = opt(False, "chat template (thinking disabled) for every prompt")
+    haystacks: list[str] = opt(
+        help="retrieval kind: noise (our filler) and/or c4 (C4 evaluation slice)", factory=list
+    )
 
 
 @dataclass
@@ -255,6 +258,10 @@ def validate(cfg: RunConfig):
             )
         if evaluator.kind == "ruler" and data_mode(cfg.eval, data_dir) == "local":
             check_essays(paths.data_dir)
+    if evaluator.kind == "retrieval":
+        from quantmla.evaluation.retrieval import check_config
+
+        check_config(cfg.eval, getattr(model_config, "max_position_embeddings", None))
     if evaluator.kind in ("sensitivity", "probes"):
         from quantmla.evaluation.layer_study import check_study_config, mla_layer_count
 

@@ -1,49 +1,113 @@
-"""The synthetic retrieval documents of the second testbed (#13): deterministic per seed, one
-needle, held-out phrasings disjoint from training ones, and no evaluation text anywhere."""
+"""The synthetic retrieval documents of the second testbed (#13): exact length, deterministic per
+seed, the answer where the targets say, held-out phrasings disjoint from every training phrasing,
+and no evaluation text in anything the generator makes."""
 
 import random
+import re
 
 import pytest
 
 from quantmla.data import load_documents
-from quantmla.data.retrieval import FILLER, HELDOUT, TRAIN, retrieval_document, retrieval_documents
-from tests.conftest import DATA_DIR
+from quantmla.data.retrieval import (
+    FILLER,
+    HELDOUT,
+    HELDOUT_WORDS,
+    RetrievalSampler,
+    heldout_phrasing,
+    random_key,
+    training_phrasing,
+)
+from tests.conftest import DATA_DIR, TINY_MLA
 
 
-def test_generator_is_deterministic_per_seed_with_one_needle():
-    a = retrieval_documents(20, 300, seed=3)
-    assert a == retrieval_documents(20, 300, seed=3)
-    assert a != retrieval_documents(20, 300, seed=4)
-    for doc in a:
-        assert doc["prompt"].count(doc["needle"]) == 1
-        assert doc["value"] in doc["answer"] and doc["prompt"].count(doc["value"]) == 1
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(TINY_MLA)
 
 
-def test_heldout_phrasings_share_no_template_with_training():
-    train = {p.needle for p in TRAIN} | {p.question for p in TRAIN}
-    assert not train & ({p.needle for p in HELDOUT} | {p.question for p in HELDOUT})
-    doc = retrieval_document(100, random.Random(0), phrasings=HELDOUT)
-    assert any(doc["needle"].startswith(p.needle.split("{")[0]) for p in HELDOUT)
+@pytest.fixture(scope="module")
+def c4_train_ids(tokenizer):
+    if not DATA_DIR.is_dir():
+        pytest.skip("needs the shared data")
+    ids = []
+    for enc in tokenizer(load_documents("c4", "train", DATA_DIR)[:300], add_special_tokens=False)[
+        "input_ids"
+    ]:
+        ids += enc + [tokenizer.eos_token_id]
+    return ids
 
 
-def _ngrams(text: str, n: int = 8) -> set:
+def _samples(sampler, seed, n=12, length=300, **kw):
+    rng = random.Random(seed)
+    return [sampler.sample(length, rng, **kw) for _ in range(n)]
+
+
+@pytest.mark.parametrize("haystack", ["filler", "c4"])
+def test_documents_are_exact_deterministic_and_answer_where_the_targets_say(
+    haystack, tokenizer, request
+):
+    ids = request.getfixturevalue("c4_train_ids") if haystack == "c4" else None
+    sampler = RetrievalSampler(tokenizer, ids)
+    a = _samples(sampler, 3, distractors=1)
+    assert [s.ids for s in a] == [s.ids for s in _samples(sampler, 3, distractors=1)]
+    assert [s.ids for s in a] != [s.ids for s in _samples(sampler, 4, distractors=1)]
+    for s in a:
+        assert len(s.ids) == len(s.kinds) == 300
+        answer = [t for t, k in zip(s.ids, s.kinds) if k == 2]
+        assert answer == s.ids[s.prompt_len :]
+        assert tokenizer.decode(answer) == f" {s.value}{tokenizer.eos_token}"
+        prompt = tokenizer.decode(s.ids[: s.prompt_len])
+        assert prompt.endswith("\nAnswer:") and prompt.count(s.value) == 1
+        assert prompt.count(s.key) == 2  # in the needle and in the question; distractors differ
+        text = [k == 1 for k in s.kinds[: s.prompt_len]]
+        assert any(text) == (haystack == "c4")
+        if haystack == "c4":  # haystack targets are C4-train tokens, in order
+            hay = [t for t, k in zip(s.ids, s.kinds) if k == 1]
+            joined = ",".join(map(str, ids))
+            assert ",".join(map(str, hay[:20])) in joined
+
+
+def test_heldout_phrasings_share_no_content_word_with_training_phrasings():
+    """10,000 training phrasings (frames and free-form needles with random words) never use a word
+    of the held-out phrasings, and every held-out phrasing uses at least two of them."""
+    rng = random.Random(0)
+    seen = set()
+    for _ in range(10_000):
+        p = training_phrasing(rng)
+        seen |= set(re.findall(r"[a-z]+", (p.needle + " " + p.question).lower()))
+    assert not seen & HELDOUT_WORDS
+    for p in HELDOUT:
+        words = set(re.findall(r"[a-z]+", (p.needle + " " + p.question).lower()))
+        assert len(words & HELDOUT_WORDS) >= 2
+    assert len({training_phrasing(rng) for _ in range(2000)}) > 1500  # not a handful of templates
+    assert heldout_phrasing(random.Random(1)) in HELDOUT
+    assert not any(w in HELDOUT_WORDS for w in random_key(random.Random(2)).split("-"))
+
+
+def _shingles(text: str, n: int = 8) -> set:
     words = text.split()
     return {" ".join(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
 @pytest.mark.skipif(not DATA_DIR.is_dir(), reason="needs the shared data")
-def test_documents_never_contain_evaluation_text():
-    """8-word shingles of 50 C4-haystack and 50 filler documents vs WikiText-2 test/valid, the C4
-    evaluation slice and RULER's essays: no shared shingle."""
-    train = load_documents("c4", "train", DATA_DIR)
-    docs = retrieval_documents(50, 400, seed=1, documents=train)
-    docs += retrieval_documents(50, 400, seed=2)
-    ours = set().union(*(_ngrams(d["prompt"]) for d in docs))
+def test_generated_text_never_contains_evaluation_text(tokenizer):
+    """Everything the generator writes (filler haystacks, needles, questions) shares no 8-word
+    shingle with WikiText-2, the C4 evaluation slice or RULER's essays (C4-haystack documents add
+    only C4-train text, which the data layer keeps disjoint from the evaluation slice)."""
+    sampler = RetrievalSampler(tokenizer)
+    ours = set()
+    for s in _samples(sampler, 1, n=40, length=400, distractors=2):
+        ours |= _shingles(tokenizer.decode(s.ids))
     evaluation = load_documents("c4", "eval", DATA_DIR)
-    evaluation += load_documents("wikitext2", "test", DATA_DIR) + load_documents(
-        "wikitext2", "valid", DATA_DIR
-    )
+    evaluation += load_documents("wikitext2", "test", DATA_DIR)
+    evaluation += load_documents("wikitext2", "valid", DATA_DIR)
     evaluation += [p.read_text() for p in (DATA_DIR / "niah-paul-graham-essays").rglob("*.txt")]
-    theirs = set().union(*(_ngrams(t) for t in evaluation))
+    theirs = set().union(*(_shingles(t) for t in evaluation))
     assert ours and not ours & theirs
-    assert not any(f in " ".join(evaluation) for f in FILLER)
+    joined = " ".join(evaluation)
+    assert not any(f in joined for f in FILLER)
+    assert set(load_documents("c4", "train", DATA_DIR)).isdisjoint(
+        load_documents("c4", "eval", DATA_DIR)
+    )

@@ -1,16 +1,20 @@
-"""Synthetic retrieval documents for training a testbed that can find a needle (issue #13).
+"""Synthetic retrieval documents: train the second testbed to find a needle, and test it (#13).
 
 A document is a haystack — C4 *training-slice* text or our own filler sentences, never WikiText,
-the Paul Graham essays (RULER's haystack) or an evaluation split — with one key–value needle at a
-random depth and a question at the end; the answer follows the question. Needle and question
-phrasings come in two disjoint sets: `TRAIN` phrasings for training, `HELDOUT` phrasings for the
-retrieval evaluation, so the evaluation asks in words the model never saw. Values tokenize
-compactly (short numbers, short words, short hex ids). Deterministic per seed."""
+the Paul Graham essays (RULER's haystack) or an evaluation split — with a key–value needle at a
+sentence boundary (sometimes beside distractor needles of other keys), then
+`\\nQuestion: <question>\\nAnswer:` and the value. Training phrasings are procedural (frames ×
+nouns × intros, and free-form `{key} <random words> {value}.` needles); the evaluation asks with
+`HELDOUT` phrasings whose content words never occur in a training phrasing, so a model that
+retrieves under them has learned retrieval, not templates. Documents are built in token space,
+sized exactly; everything is a function of the `random.Random` passed in (deterministic per seed)."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 # Our own filler (not RULER's "The grass is green..." passage).
 FILLER = (
@@ -23,89 +27,232 @@ FILLER = (
     "Children walk home after school.",
     "Wind moves through the tall grass.",
 )
-WORDS = (
-    "amber", "birch", "cobalt", "delta", "ember", "falcon", "garnet", "harbor", "indigo", "jasper",
-    "kelp", "lantern", "maple", "nickel", "orchid", "pepper", "quartz", "raven", "saffron", "tundra",
+STYLES = ("number", "word", "hex")
+
+# Training phrasings: frames × nouns × intros, and free-form needles.
+NOUNS = (
+    "magic number", "passkey", "secret number", "access code", "pin code", "lucky number",
+    "code", "serial number", "password", "ticket number", "combination", "token", "identifier",
+    "account number", "room number", "special number",
 )  # fmt: skip
+INTROS = ("", "Remember: ", "Note that ", "Important: ", "Please memorize this: ", "By the way, ")
+NEEDLE_FRAMES = (
+    "the {noun} for {key} is {value}.",
+    "{key}'s {noun} is {value}.",
+    "{key} has the {noun} {value}.",
+    "the {noun} of {key}: {value}.",
+    "use {value} as the {noun} for {key}.",
+    "{value} is the {noun} of {key}.",
+)
+QUESTION_FRAMES = (
+    "What is the {noun} for {key}?",
+    "What is {key}'s {noun}?",
+    "Which {noun} does {key} have?",
+    "Tell me the {noun} of {key}.",
+    "{key}: which {noun}?",
+    "Give the {noun} for {key}.",
+)
+FREE_QUESTIONS = ("What about {key}?", "{key}?", "And {key}?", "What goes with {key}?")
 
 
 @dataclass(frozen=True)
 class Phrasing:
     needle: str  # with {key} and {value}
     question: str  # with {key}
-    answer: str  # with {value}
 
 
-TRAIN = (
-    Phrasing("The magic number for {key} is {value}.", "What is the magic number for {key}?", " The magic number for {key} is {value}."),
-    Phrasing("Remember this: the passkey of {key} is {value}.", "What is the passkey of {key}?", " The passkey of {key} is {value}."),
-    Phrasing("Note that {key} has the secret code {value}.", "Which secret code does {key} have?", " {key} has the secret code {value}."),
-    Phrasing("The id assigned to {key} is {value}.", "What id is assigned to {key}?", " The id assigned to {key} is {value}."),
-)  # fmt: skip
+# Evaluation phrasings: none of HELDOUT_WORDS occurs in any training phrasing (tested).
 HELDOUT = (
-    Phrasing("Keep in mind that the special value of {key} equals {value}.", "Tell me the special value of {key}.", " The special value of {key} equals {value}."),
-    Phrasing("For the record, {key} is linked to {value}.", "To what is {key} linked?", " {key} is linked to {value}."),
-)  # fmt: skip
-STYLES = ("number", "word", "uuid")
+    Phrasing(
+        "Keep in mind that the hidden figure attached to {key} stands at {value}.",
+        "Which hidden figure stands attached to {key}?",
+    ),
+    Phrasing("For the record, {key} is linked to {value}.", "To what is {key} linked?"),
+    Phrasing(
+        "Somewhere it was written that {key} corresponds to {value}.",
+        "What does {key} correspond to?",
+    ),
+    Phrasing(
+        "The registry entry under {key} reads {value}.", "Look up the registry entry under {key}."
+    ),
+)
+HELDOUT_WORDS = frozenset(
+    [
+        "keep",
+        "mind",
+        "hidden",
+        "figure",
+        "attached",
+        "stands",
+        "record",
+        "linked",
+        "somewhere",
+        "written",
+        "corresponds",
+        "correspond",
+        "registry",
+        "entry",
+        "under",
+        "reads",
+        "look",
+    ]
+)
+
+
+@cache
+def _word_pool() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(adjectives, nouns) from wonderwords' lists, short alphabetic words, held-out words removed."""
+    from wonderwords.random_word import _get_words_from_text_file as words
+
+    def clean(name: str) -> tuple[str, ...]:
+        return tuple(
+            sorted(
+                w
+                for w in words(name)
+                if w.isalpha() and w.islower() and 3 <= len(w) <= 8 and w not in HELDOUT_WORDS
+            )
+        )
+
+    return clean("adjectivelist.txt"), clean("nounlist.txt")
+
+
+def random_key(rng: random.Random) -> str:
+    adjectives, nouns = _word_pool()
+    return f"{rng.choice(adjectives)}-{rng.choice(nouns)}"
 
 
 def random_value(style: str, rng: random.Random) -> str:
     if style == "number":
-        return str(rng.randint(10**4, 10**6 - 1))
+        return str(rng.randint(10**3, 10**7 - 1))
+    if style == "number7":  # RULER S-NIAH's magic numbers have seven digits
+        return str(rng.randint(10**6, 10**7 - 1))
     if style == "word":
-        return f"{rng.choice(WORDS)}-{rng.choice(WORDS)}"
-    return f"{rng.getrandbits(32):08x}"
+        return random_key(rng)
+    if style == "hex":
+        return f"{rng.getrandbits(32):08x}"
+    raise ValueError(f"value style {style!r}: allowed {STYLES + ('number7',)}")
 
 
-def random_key(rng: random.Random) -> str:
-    return f"{rng.choice(WORDS).capitalize()} {rng.randint(1, 99)}"
+def training_phrasing(rng: random.Random) -> Phrasing:
+    """A fresh training phrasing: a frame with a noun and intro, or (half the time) free-form
+    `{key} <1-3 random words> {value}.` (or value first) asked by a short question."""
+    if rng.random() < 0.5:
+        noun = rng.choice(NOUNS)
+        needle = rng.choice(INTROS) + rng.choice(NEEDLE_FRAMES).replace("{noun}", noun)
+        return Phrasing(needle, rng.choice(QUESTION_FRAMES).replace("{noun}", noun))
+    adjectives, nouns = _word_pool()
+    middle = " ".join(rng.choice(adjectives + nouns) for _ in range(rng.randint(1, 3)))
+    needle = (
+        f"{{key}} {middle} {{value}}." if rng.random() < 0.75 else f"{{value}} {middle} {{key}}."
+    )
+    if rng.random() < 0.5:
+        return Phrasing(needle, rng.choice(FREE_QUESTIONS))
+    return Phrasing(needle, rng.choice(QUESTION_FRAMES).replace("{noun}", middle))
 
 
-def filler_words(n_words: int, rng: random.Random) -> list[str]:
-    words: list[str] = []
-    while len(words) < n_words:
-        words += rng.choice(FILLER).split(" ")
-    return words[:n_words]
+def heldout_phrasing(rng: random.Random) -> Phrasing:
+    return rng.choice(HELDOUT)
 
 
-def haystack_words(n_words: int, rng: random.Random, documents: list[str] | None) -> list[str]:
-    """`n_words` words of consecutive training documents from a random start (filler if None)."""
-    if not documents:
-        return filler_words(n_words, rng)
-    words: list[str] = []
-    i = rng.randrange(len(documents))
-    while len(words) < n_words:
-        words += documents[i % len(documents)].split()
-        i += 1
-    return words[:n_words]
+PHRASINGS: dict[str, Callable[[random.Random], Phrasing]] = {
+    "train": training_phrasing,
+    "heldout": heldout_phrasing,
+}
 
 
-def retrieval_document(
-    n_words: int,
-    rng: random.Random,
-    documents: list[str] | None = None,
-    phrasings=TRAIN,
-    style: str | None = None,
-) -> dict:
-    """{"prompt", "answer", "value", "needle"}: haystack of `n_words` words with one needle at a
-    random sentence boundary, then the question; `answer` is the continuation to learn/score."""
-    phrasing = rng.choice(phrasings)
-    key, value = random_key(rng), random_value(style or rng.choice(STYLES), rng)
-    needle = phrasing.needle.format(key=key, value=value)
-    words = haystack_words(n_words, rng, documents)
-    ends = [0] + [i + 1 for i, w in enumerate(words) if w.endswith((".", "!", "?"))] + [len(words)]
-    cut = rng.choice(ends)
-    text = " ".join(words[:cut] + [needle] + words[cut:])
-    return {
-        "prompt": f"{text}\n{phrasing.question.format(key=key)}",
-        "answer": phrasing.answer.format(key=key, value=value),
-        "value": value,
-        "needle": needle,
-    }
+def _fill(template: str, **fields: str) -> str:
+    """The template's first letter capitalised (not a field's: a key is spelled one way only)."""
+    template = template[:1].upper() + template[1:]
+    for name, value in fields.items():
+        template = template.replace("{" + name + "}", value)
+    return template
 
 
-def retrieval_documents(
-    n: int, n_words: int, seed: int, documents=None, phrasings=TRAIN
-) -> list[dict]:
-    rng = random.Random(seed)
-    return [retrieval_document(n_words, rng, documents, phrasings) for _ in range(n)]
+@dataclass
+class Sample:
+    """One document in token space. `kinds[t]` says what token t is as a *target*: 0 not trained
+    on, 1 language-model text (C4 haystack), 2 the answer (value and the EOS after it)."""
+
+    ids: list[int]
+    kinds: list[int]
+    prompt_len: int  # tokens up to and including "Answer:"
+    value: str
+    key: str
+    depth: float  # needle position / haystack length
+
+
+class RetrievalSampler:
+    """Builds retrieval documents of an exact token length from a tokenizer and a haystack: a token
+    stream of documents (`haystack_ids`, e.g. the C4 training slice) or, when None, our filler."""
+
+    def __init__(self, tokenizer, haystack_ids: list[int] | None = None):
+        self.tokenizer = tokenizer
+        self.eos = tokenizer.eos_token_id
+        self.haystack = haystack_ids
+        self.filler = [self.encode(" " + s) for s in FILLER]
+        if haystack_ids is not None:
+            vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+            # a token after which a sentence ends (byte-level BPE: "Ġ" marks a leading space)
+            self.sentence_end = [
+                t is not None and t.rstrip("Ċ").endswith((".", "!", "?")) for t in vocab
+            ]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _haystack(self, n: int, rng: random.Random) -> tuple[list[int], list[int]]:
+        """n haystack tokens and the positions where a needle may go (sentence boundaries)."""
+        if self.haystack is None:
+            ids, cuts = [], [0]
+            while len(ids) < n:
+                ids += rng.choice(self.filler)
+                cuts.append(len(ids))
+            return ids[:n], [c for c in cuts if c <= n]
+        start = rng.randrange(len(self.haystack) - n)
+        ids = list(self.haystack[start : start + n])
+        cuts = [0] + [i + 1 for i, t in enumerate(ids) if self.sentence_end[t]] + [n]
+        return ids, cuts
+
+    def sample(
+        self,
+        length: int,
+        rng: random.Random,
+        phrasing: Callable[[random.Random], Phrasing] = training_phrasing,
+        style: str | None = None,
+        distractors: int = 0,
+    ) -> Sample:
+        """A document of exactly `length` tokens: haystack with the needle (and `distractors`
+        needles of other keys, same phrasing, other values) at random sentence boundaries,
+        the question, " Answer:", the value and EOS."""
+        style = style or rng.choice(STYLES)
+        form = phrasing(rng)
+        key, value = random_key(rng), random_value(style, rng)
+        needles = [self.encode(" " + _fill(form.needle, key=key, value=value))]
+        for _ in range(distractors):
+            other = random_key(rng)
+            while other == key:
+                other = random_key(rng)
+            needles.append(
+                self.encode(" " + _fill(form.needle, key=other, value=random_value(style, rng)))
+            )
+        question = self.encode("\nQuestion: " + _fill(form.question, key=key) + "\nAnswer:")
+        answer = self.encode(" " + value) + [self.eos]
+        n_hay = length - sum(map(len, needles)) - len(question) - len(answer)
+        if n_hay < 0:
+            raise ValueError(f"length {length} is too short for a retrieval document")
+        hay, cuts = self._haystack(n_hay, rng)
+        text_kind = 0 if self.haystack is None else 1
+        places = sorted((rng.choice(cuts), i) for i in range(len(needles)))
+        ids, kinds, prev, depth = [], [], 0, 0.0
+        for cut, i in places:
+            ids += hay[prev:cut] + needles[i]
+            kinds += [text_kind] * (cut - prev) + [0] * len(needles[i])
+            prev = cut
+            if i == 0:
+                depth = cut / max(1, n_hay)
+        ids += hay[prev:] + question
+        kinds += [text_kind] * (n_hay - prev) + [0] * len(question)
+        prompt_len = len(ids)
+        ids += answer
+        kinds += [2] * len(answer)
+        return Sample(ids, kinds, prompt_len, value, key, depth)

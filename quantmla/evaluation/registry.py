@@ -52,6 +52,11 @@ EVALUATORS: dict[str, Evaluator] = {
         ),
         Evaluator("ruler", "quantmla.evaluation.ruler", "RULER S-NIAH (Fig. 4)"),
         Evaluator(
+            "retrieval",
+            "quantmla.evaluation.retrieval",
+            "needle retrieval on held-out phrasings (the second testbed)",
+        ),
+        Evaluator(
             "sensitivity",
             "quantmla.evaluation.sensitivity",
             "per-layer path sensitivity (Fig. 2/6, Table 4)",

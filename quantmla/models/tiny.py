@@ -87,3 +87,75 @@ def tiny_mla_config(
         pad_token_id=pad_token_id,
         num_nextn_predict_layers=0,
     )
+
+
+def tiny_mla_v2_config(
+    vocab_size: int,
+    hidden_size: int = 256,
+    num_layers: int = 6,
+    num_heads: int = 4,
+    kv_lora_rank: int = 256,
+    qk_nope_head_dim: int = 64,
+    qk_rope_head_dim: int = 64,
+    v_head_dim: int = 64,
+    intermediate_size: int = 768,
+    max_position_embeddings: int = 4096,
+    rope_theta: float = 10000.0,
+    bos_token_id: int = 0,
+    eos_token_id: int = 1,
+    pad_token_id: int = 2,
+):
+    """The second testbed: a dense DeepSeek-V2-architecture config (V2's RoPE layout: interleaved
+    pairs in the weights and in the cache), four content groups (d_c 256), positions to 4K."""
+    from transformers import DeepseekV2Config
+
+    return DeepseekV2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        moe_intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        first_k_dense_replace=num_layers,  # all layers dense
+        n_routed_experts=1,
+        num_experts_per_tok=1,
+        n_shared_experts=1,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        q_lora_rank=None,
+        kv_lora_rank=kv_lora_rank,
+        qk_nope_head_dim=qk_nope_head_dim,
+        qk_rope_head_dim=qk_rope_head_dim,
+        v_head_dim=v_head_dim,
+        max_position_embeddings=max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        tie_word_embeddings=True,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+    )
+
+
+def widen_latent_state(state: dict, old_rank: int, new_rank: int) -> dict:
+    """Map a tiny-mla (V3 layout) state dict onto a V2 model with a wider latent, exactly.
+
+    The latent c (old_rank) is duplicated to new_rank = k·old_rank channels: the down-projection
+    rows and the RMSNorm weight repeat (the RMS of [c; c] is the RMS of c) and the up-projection
+    columns repeat divided by k, so every layer computes the same function. The RoPE rows and the
+    q_proj layout carry over unchanged: V3 with rope_interleave and V2 rotate the same (2i, 2i+1)
+    pairs by the same angles, and only the order of the rotated coordinates differs, which no
+    q·k dot product sees."""
+    import torch
+
+    if new_rank % old_rank:
+        raise ValueError(f"kv_lora_rank {new_rank} is not a multiple of {old_rank}")
+    k = new_rank // old_rank
+    out = {}
+    for name, w in state.items():
+        if name.endswith("kv_a_proj_with_mqa.weight"):
+            w = torch.cat([w[:old_rank]] * k + [w[old_rank:]], 0)
+        elif name.endswith("kv_a_layernorm.weight"):
+            w = torch.cat([w] * k, 0)
+        elif name.endswith("kv_b_proj.weight"):
+            w = torch.cat([w / k] * k, 1)
+        out[name] = w
+    return out

@@ -1,0 +1,153 @@
+"""The second testbed's trainer (#13): exact warm start, deterministic batches with the right
+targets, resume equal to an uninterrupted run, resume rules, bad config."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from experiments.train_tiny_mla_v2 import (
+    Stage,
+    TrainingData,
+    TrainV2Config,
+    V2ModelConfig,
+    build_model,
+    check_resume,
+    lr_at,
+    train,
+    validate,
+)
+from tests.conftest import DATA_DIR, TINY_MLA
+
+pytestmark = pytest.mark.skipif(not DATA_DIR.is_dir(), reason="needs the shared data")
+
+MICRO = V2ModelConfig(
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    kv_lora_rank=64,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    intermediate_size=128,
+    max_position_embeddings=1024,
+)
+
+
+def micro_config(out_dir, **kw) -> TrainV2Config:
+    fields = dict(
+        data_dir=str(DATA_DIR),
+        init_from=None,
+        tokenizer=str(TINY_MLA),
+        out_dir=str(out_dir),
+        model=MICRO,
+        stages=[Stage(2, 128, 2, 0.5), Stage(2, 192, 2, 1.0)],
+        warmup_steps=1,
+        eval_every=1000,
+        eval_samples=1,
+        log_every=1,
+    )
+    fields.update(kw)
+    return TrainV2Config(**fields)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(TINY_MLA)
+
+
+@pytest.fixture(scope="module")
+def data(tokenizer, tmp_path_factory):
+    return TrainingData(micro_config(tmp_path_factory.mktemp("d")), tokenizer)
+
+
+def test_warm_start_computes_the_tiny_model_exactly(tokenizer):
+    """d_c 128 -> 256 by duplication, V3 (rope_interleave) -> V2 layout: same logits."""
+    from transformers import AutoModelForCausalLM
+
+    old = AutoModelForCausalLM.from_pretrained(TINY_MLA, dtype=torch.float32).eval()
+    cfg = TrainV2Config(init_from=str(TINY_MLA), init_noise=0.0)
+    new = build_model(cfg, tokenizer).eval()
+    assert new.config.model_type == "deepseek_v2" and new.config.kv_lora_rank == 256
+    ids = torch.randint(0, len(tokenizer), (2, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = old(ids).logits, new(ids).logits
+    assert (a - b).abs().max() <= 1e-4 * a.abs().max()
+    noisy = build_model(replace(cfg, init_noise=0.02), tokenizer).eval()
+    with torch.no_grad():
+        assert not torch.equal(noisy(ids).logits, b)  # the duplicated channels are told apart
+
+
+def test_batches_are_a_function_of_the_step_with_the_right_targets(data, tokenizer):
+    ids, kinds = data.batch(3)
+    again_ids, again_kinds = data.batch(3)
+    assert torch.equal(ids, again_ids) and torch.equal(kinds, again_kinds)
+    assert not torch.equal(data.batch(2)[0], ids)
+    assert ids.shape == (2, 192)  # step 3 is in the second stage: all rows retrieval
+    for row, kind in zip(ids.tolist(), kinds.tolist()):
+        answer = [t for t, k in zip(row, kind) if k == 2]
+        assert answer[-1] == tokenizer.eos_token_id and row[-len(answer) :] == answer
+        assert tokenizer.decode(row[: len(row) - len(answer)]).endswith("\nAnswer:")
+    text_rows = [k for k in data.batch(0)[1].tolist() + data.batch(1)[1].tolist() if 2 not in k]
+    assert text_rows and all(set(k) == {1} for k in text_rows)
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    cfg = TrainV2Config(stages=[Stage(100, 64, 1, 0.0)], warmup_steps=10, lr=1e-3)
+    assert lr_at(cfg, 0) == pytest.approx(1e-4) and lr_at(cfg, 9) == pytest.approx(1e-3)
+    assert lr_at(cfg, 99) == pytest.approx(1e-4, rel=1e-2) and lr_at(cfg, 500) == pytest.approx(
+        1e-4
+    )
+
+
+def _weights(out_dir):
+    from safetensors.torch import load_file
+
+    return load_file(out_dir / "model.safetensors")
+
+
+def test_resume_equals_an_uninterrupted_run_and_follows_the_rules(tmp_path):
+    """3 steps at once vs 3 stretches of one step each (checkpoint + reload between)."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(micro_config(straight, stages=[Stage(3, 128, 2, 0.5)]))
+    for _ in range(3):
+        report = train(micro_config(resumed, stages=[Stage(3, 128, 2, 0.5)], max_minutes=0.0))
+    assert report["steps"] == 3
+    a, b = _weights(straight), _weights(resumed)
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=5e-5), name
+    state = json.loads((resumed / "training_state" / "state.json").read_text())
+    assert state["step"] == 3 and state["tokens"] == 3 * 2 * 128
+    curve = (resumed / "training_curve.csv").read_text().splitlines()
+    assert len(curve) == 4 and (resumed / "training_curve.png").is_file()
+
+    saved = state["config"]
+    later = micro_config(resumed, stages=[Stage(3, 128, 2, 0.5), Stage(2, 192, 2, 1.0)])
+    check_resume(saved, replace(later, schedule_steps=3), 3)  # appended stage, same lr horizon
+    with pytest.raises(ValueError, match="lr horizon"):
+        check_resume(saved, later, 3)
+    with pytest.raises(ValueError, match="stages change step 2"):
+        check_resume(
+            saved, micro_config(resumed, stages=[Stage(2, 128, 2, 0.5), Stage(1, 128, 4, 0.5)]), 3
+        )
+    with pytest.raises(ValueError, match="lr changed"):
+        check_resume(saved, micro_config(resumed, stages=[Stage(3, 128, 2, 0.5)], lr=5e-4), 3)
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        (dict(stages=[]), "stages"),
+        (dict(stages=[Stage(5, 8192, 1, 0.5)]), r"stages\[0\].seq_len"),
+        (dict(stages=[Stage(5, 256, 1, 1.5)]), r"stages\[0\].retrieval_share"),
+        (dict(filler_share=2.0), "filler_share"),
+        (dict(schedule_steps=3), "schedule_steps"),
+    ],
+)
+def test_bad_config_names_the_field(change, field):
+    cfg = TrainV2Config(stages=[Stage(5, 256, 1, 0.5)])
+    with pytest.raises(ValueError, match=field):
+        validate(replace(cfg, **change))
