@@ -5,7 +5,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup run test test-full lint format bench bench-gpu train-tiny sweep-tiny tables figures
+.PHONY: setup run test test-full lint format bench bench-gpu train-tiny train-tiny-v2 sweep-tiny tables figures
 
 setup:
 	test -x $(PY) || python3 -m venv .venv
@@ -39,6 +39,9 @@ bench-gpu:   # Fig. 5b on one GPU (< 8 min), then its GPU-only tests; on a CPU: 
 
 train-tiny:
 	$(PY) -m experiments.train_tiny_mla
+
+train-tiny-v2:   # the second testbed (issue #13); resumes from assets/tiny-mla-v2/training_state
+	$(PY) -m experiments.train_tiny_mla_v2
 
 sweep-tiny:
 	$(PY) -m quantmla.run experiment=tiny_table1

@@ -68,7 +68,7 @@ class TrainV2Config:
     weight_decay: float = 0.1
     answer_weight: float = 1.0  # loss = text mean + answer_weight * answer mean
     filler_share: float = 0.5  # retrieval rows with our filler haystack (else C4 train)
-    distractor_share: float = 0.3  # retrieval rows with 1-2 distractor needles
+    distractor_share: float = 0.5  # retrieval rows with 1-3 more needles (each may be asked too)
     init_noise: float = 0.02  # symmetry breaking of the duplicated latent, relative to row norm
     heldout_fraction: float = 0.02
     seed: int = 0
@@ -171,8 +171,9 @@ class TrainingData:
                 sampler = (
                     self.filler_sampler if rng.random() < cfg.filler_share else self.c4_sampler
                 )
-                distractors = rng.randint(1, 2) if rng.random() < cfg.distractor_share else 0
-                s = sampler.sample(stage.seq_len, rng, distractors=distractors)
+                distractors = rng.randint(1, 3) if rng.random() < cfg.distractor_share else 0
+                questions = rng.randint(1, distractors + 1)
+                s = sampler.sample(stage.seq_len, rng, distractors=distractors, questions=questions)
                 ids.append(s.ids)
                 kinds.append(s.kinds)
             else:

@@ -85,3 +85,14 @@ def test_sensitivity_cells():
     assert cell.shape == (8, 512)
     assert len(set(cell.flatten().tolist())) == 8 * 512
     assert torch.equal(cell, sensitivity_cell(IDS, seed=1, n_sequences=8, seqlen=512))
+
+
+def test_unigram_perplexity_is_the_exponentiated_entropy_of_the_targets():
+    import math
+
+    from quantmla.evaluation.perplexity import unigram_perplexity
+
+    windows = torch.tensor([[7, 1, 1, 2], [9, 2, 2, 2]])  # targets: 1,1,2 and 2,2,2 -> p = 1/3, 2/3
+    entropy = -(1 / 3) * math.log(1 / 3) - (2 / 3) * math.log(2 / 3)
+    assert unigram_perplexity(windows) == pytest.approx(math.exp(entropy), rel=1e-12)
+    assert unigram_perplexity(torch.tensor([[0, 5, 5, 5]])) == pytest.approx(1.0)

@@ -111,3 +111,22 @@ def test_generated_text_never_contains_evaluation_text(tokenizer):
     assert set(load_documents("c4", "train", DATA_DIR)).isdisjoint(
         load_documents("c4", "eval", DATA_DIR)
     )
+
+
+def test_several_questions_each_answered_by_its_own_needle(tokenizer):
+    """Training documents ask about up to every needle; each answer is the value written beside
+    the asked key, the first needle is asked last, and only the last answer ends in EOS."""
+    sampler = RetrievalSampler(tokenizer)
+    for s in _samples(sampler, 5, n=8, length=400, distractors=3, questions=3):
+        text = tokenizer.decode(s.ids)
+        pairs = re.findall(r"Question: .*?([a-z]+-[a-z]+).*?\nAnswer: ([\w-]+)", text)
+        assert len(pairs) == 3 and pairs[-1] == (s.key, s.value)
+        for key, value in pairs:
+            needle = next(
+                line for line in text.split(". ") if key in line and "Question" not in line
+            )
+            assert value in needle
+        answers = [t for t, k in zip(s.ids, s.kinds) if k == 2]
+        assert answers.count(tokenizer.eos_token_id) == 1 and answers[-1] == tokenizer.eos_token_id
+    with pytest.raises(ValueError, match="questions=3"):
+        sampler.sample(300, random.Random(0), distractors=1, questions=3)

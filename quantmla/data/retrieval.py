@@ -220,24 +220,37 @@ class RetrievalSampler:
         phrasing: Callable[[random.Random], Phrasing] = training_phrasing,
         style: str | None = None,
         distractors: int = 0,
+        questions: int = 1,
     ) -> Sample:
-        """A document of exactly `length` tokens: haystack with the needle (and `distractors`
-        needles of other keys, same phrasing, other values) at random sentence boundaries,
-        the question, " Answer:", the value and EOS."""
+        """A document of exactly `length` tokens: haystack with the needle and `distractors`
+        needles of other keys (same phrasing, other values) at random sentence boundaries, then
+        `questions` question/answer pairs about distinct needles, the first needle asked last:
+        "\nQuestion: …\nAnswer: <value>", EOS after the last. `prompt_len` and `value` are the
+        last question's (training asks several at once: more answer tokens per document)."""
+        if not 1 <= questions <= distractors + 1:
+            raise ValueError(f"questions={questions}: allowed 1..{distractors + 1} (the needles)")
         style = style or rng.choice(STYLES)
         form = phrasing(rng)
-        key, value = random_key(rng), random_value(style, rng)
-        needles = [self.encode(" " + _fill(form.needle, key=key, value=value))]
-        for _ in range(distractors):
-            other = random_key(rng)
-            while other == key:
-                other = random_key(rng)
-            needles.append(
-                self.encode(" " + _fill(form.needle, key=other, value=random_value(style, rng)))
+        keys: list[str] = []
+        while len(keys) < distractors + 1:
+            key = random_key(rng)
+            if key not in keys:
+                keys.append(key)
+        values = [random_value(style, rng) for _ in keys]
+        needles = [
+            self.encode(" " + _fill(form.needle, key=k, value=v)) for k, v in zip(keys, values)
+        ]
+        asked = list(range(1, distractors + 1))
+        rng.shuffle(asked)
+        asked = asked[: questions - 1] + [0]
+        qa = [
+            (
+                self.encode("\nQuestion: " + _fill(form.question, key=keys[i]) + "\nAnswer:"),
+                self.encode(" " + values[i]) + ([self.eos] if n == len(asked) - 1 else []),
             )
-        question = self.encode("\nQuestion: " + _fill(form.question, key=key) + "\nAnswer:")
-        answer = self.encode(" " + value) + [self.eos]
-        n_hay = length - sum(map(len, needles)) - len(question) - len(answer)
+            for n, i in enumerate(asked)
+        ]
+        n_hay = length - sum(map(len, needles)) - sum(len(q) + len(a) for q, a in qa)
         if n_hay < 0:
             raise ValueError(f"length {length} is too short for a retrieval document")
         hay, cuts = self._haystack(n_hay, rng)
@@ -250,9 +263,12 @@ class RetrievalSampler:
             prev = cut
             if i == 0:
                 depth = cut / max(1, n_hay)
-        ids += hay[prev:] + question
-        kinds += [text_kind] * (n_hay - prev) + [0] * len(question)
-        prompt_len = len(ids)
-        ids += answer
-        kinds += [2] * len(answer)
-        return Sample(ids, kinds, prompt_len, value, key, depth)
+        ids += hay[prev:]
+        kinds += [text_kind] * (n_hay - prev)
+        for question, answer in qa:
+            ids += question
+            kinds += [0] * len(question)
+            prompt_len = len(ids)
+            ids += answer
+            kinds += [2] * len(answer)
+        return Sample(ids, kinds, prompt_len, values[0], keys[0], depth)

@@ -26,6 +26,14 @@ def perplexity(
     return math.exp(total / count)
 
 
+def unigram_perplexity(windows: torch.Tensor) -> float:
+    """exp(entropy) of the predicted tokens' own unigram distribution: the perplexity a model that
+    knew only the evaluation text's token frequencies (and no context) would reach."""
+    counts = torch.bincount(windows[:, 1:].flatten()).double()
+    p = counts[counts > 0] / counts.sum()
+    return math.exp(float(-(p * p.log()).sum()))
+
+
 def evaluate(cfg, prepared) -> dict:
     """Perplexity per dataset (quantized, and BF16 when eval.compare_bf16) and per-layer NMSE."""
     from quantmla.data import load_text, perplexity_windows, tokenize
@@ -42,6 +50,7 @@ def evaluate(cfg, prepared) -> dict:
         for name in ev.datasets
     }
     metrics: dict = {f"windows/{name}": int(w.shape[0]) for name, w in windows.items()}
+    metrics.update({f"unigram_ppl/{name}": unigram_perplexity(w) for name, w in windows.items()})
 
     def measure(prefix: str, label: str) -> None:
         for name, w in windows.items():
