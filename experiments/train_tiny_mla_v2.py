@@ -51,6 +51,8 @@ class Stage:
     seq_len: int
     batch_size: int
     retrieval_share: float  # fraction of rows that are retrieval documents
+    distractor_share: float = 0.5  # retrieval rows with 1-3 more needles (each may be asked too)
+    copy_share: float = 0.0  # rows of C4-train text ending in a repeat of one of their spans
 
 
 @dataclass
@@ -68,7 +70,6 @@ class TrainV2Config:
     weight_decay: float = 0.1
     answer_weight: float = 1.0  # loss = text mean + answer_weight * answer mean
     filler_share: float = 0.5  # retrieval rows with our filler haystack (else C4 train)
-    distractor_share: float = 0.5  # retrieval rows with 1-3 more needles (each may be asked too)
     init_noise: float = 0.02  # symmetry breaking of the duplicated latent, relative to row norm
     heldout_fraction: float = 0.02
     seed: int = 0
@@ -118,16 +119,20 @@ def validate(cfg: TrainV2Config) -> None:
     for i, s in enumerate(cfg.stages):
         if s.steps < 1 or s.batch_size < 1:
             raise ValueError(f"stages[{i}]: steps and batch_size must be >= 1, got {s}")
-        if not 0.0 <= s.retrieval_share <= 1.0:
-            raise ValueError(f"stages[{i}].retrieval_share={s.retrieval_share}: allowed [0, 1]")
-        if not 128 <= s.seq_len <= cfg.model.max_position_embeddings:
+        for name in ("retrieval_share", "distractor_share", "copy_share"):
+            if not 0.0 <= getattr(s, name) <= 1.0:
+                raise ValueError(f"stages[{i}].{name}={getattr(s, name)}: allowed [0, 1]")
+        if s.retrieval_share + s.copy_share > 1.0:
             raise ValueError(
-                f"stages[{i}].seq_len={s.seq_len}: allowed 128..{cfg.model.max_position_embeddings} "
+                f"stages[{i}]: retrieval_share + copy_share = {s.retrieval_share + s.copy_share} > 1"
+            )
+        if not 256 <= s.seq_len <= cfg.model.max_position_embeddings:
+            raise ValueError(
+                f"stages[{i}].seq_len={s.seq_len}: allowed 256..{cfg.model.max_position_embeddings} "
                 "(model.max_position_embeddings)"
             )
-    for name in ("filler_share", "distractor_share"):
-        if not 0.0 <= getattr(cfg, name) <= 1.0:
-            raise ValueError(f"{name}={getattr(cfg, name)}: allowed [0, 1]")
+    if not 0.0 <= cfg.filler_share <= 1.0:
+        raise ValueError(f"filler_share={cfg.filler_share}: allowed [0, 1]")
     if cfg.schedule_steps and cfg.schedule_steps <= cfg.warmup_steps:
         raise ValueError(
             f"schedule_steps={cfg.schedule_steps}: allowed 0 (the stages' sum) or > warmup_steps"
@@ -160,6 +165,15 @@ class TrainingData:
             ids += enc + [self.eos]
         return ids
 
+    def copy_row(self, seq_len: int, rng: random.Random) -> tuple[list[int], list[int]]:
+        """C4-train text whose last n (16-48) tokens repeat an earlier span of the row: the repeat
+        is an answer target (it teaches copying: induction heads, which retrieval builds on)."""
+        n = rng.randint(16, min(48, seq_len // 4))
+        start = rng.randrange(len(self.train) - seq_len)
+        text = self.train[start : start + seq_len - n]
+        at = rng.randrange(len(text) - n)
+        return text + text[at : at + n], [1] * len(text) + [2] * n
+
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, kinds), both (batch, seq_len): kinds 1 = text target, 2 = answer target."""
         cfg = self.cfg
@@ -167,15 +181,20 @@ class TrainingData:
         rng = random.Random(cfg.seed * 1_000_003 + step)
         ids, kinds = [], []
         for _ in range(stage.batch_size):
-            if rng.random() < stage.retrieval_share:
+            draw = rng.random()
+            if draw < stage.retrieval_share:
                 sampler = (
                     self.filler_sampler if rng.random() < cfg.filler_share else self.c4_sampler
                 )
-                distractors = rng.randint(1, 3) if rng.random() < cfg.distractor_share else 0
+                distractors = rng.randint(1, 3) if rng.random() < stage.distractor_share else 0
                 questions = rng.randint(1, distractors + 1)
                 s = sampler.sample(stage.seq_len, rng, distractors=distractors, questions=questions)
                 ids.append(s.ids)
                 kinds.append(s.kinds)
+            elif draw < stage.retrieval_share + stage.copy_share:
+                row, kind = self.copy_row(stage.seq_len, rng)
+                ids.append(row)
+                kinds.append(kind)
             else:
                 start = rng.randrange(len(self.train) - stage.seq_len)
                 ids.append(self.train[start : start + stage.seq_len])
@@ -314,7 +333,8 @@ def check_resume(saved: dict, cfg: TrainV2Config, step: int) -> None:
 
     def shape(c, s):
         stage = stage_at(c, s)[1]
-        return stage.seq_len, stage.batch_size, stage.retrieval_share
+        return (stage.seq_len, stage.batch_size, stage.retrieval_share, stage.distractor_share,
+                stage.copy_share)  # fmt: skip
 
     for s in range(step):
         if shape(before, s) != shape(cfg, s):

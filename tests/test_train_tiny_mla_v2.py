@@ -42,7 +42,7 @@ def micro_config(out_dir, **kw) -> TrainV2Config:
         tokenizer=str(TINY_MLA),
         out_dir=str(out_dir),
         model=MICRO,
-        stages=[Stage(2, 128, 2, 0.5), Stage(2, 192, 2, 1.0)],
+        stages=[Stage(2, 256, 2, 0.5), Stage(2, 320, 2, 1.0)],
         warmup_steps=1,
         eval_every=1000,
         eval_samples=1,
@@ -86,13 +86,24 @@ def test_batches_are_a_function_of_the_step_with_the_right_targets(data, tokeniz
     again_ids, again_kinds = data.batch(3)
     assert torch.equal(ids, again_ids) and torch.equal(kinds, again_kinds)
     assert not torch.equal(data.batch(2)[0], ids)
-    assert ids.shape == (2, 192)  # step 3 is in the second stage: all rows retrieval
+    assert ids.shape == (2, 320)  # step 3 is in the second stage: all rows retrieval
     for row, kind in zip(ids.tolist(), kinds.tolist()):
-        answer = [t for t, k in zip(row, kind) if k == 2]
-        assert answer[-1] == tokenizer.eos_token_id and row[-len(answer) :] == answer
-        assert tokenizer.decode(row[: len(row) - len(answer)]).endswith("\nAnswer:")
+        assert row[-1] == tokenizer.eos_token_id and kind[-1] == 2
+        starts = [i for i in range(1, len(kind)) if kind[i] == 2 and kind[i - 1] != 2]
+        assert starts and all(tokenizer.decode(row[:i]).endswith("\nAnswer:") for i in starts)
     text_rows = [k for k in data.batch(0)[1].tolist() + data.batch(1)[1].tolist() if 2 not in k]
     assert text_rows and all(set(k) == {1} for k in text_rows)
+
+
+def test_copy_rows_repeat_an_earlier_span_as_the_answer(data):
+    import random
+
+    for seed in range(5):
+        row, kind = data.copy_row(256, random.Random(seed))
+        n = kind.count(2)
+        assert len(row) == len(kind) == 256 and 16 <= n <= 48 and kind[-n:] == [2] * n
+        span, text = row[-n:], row[:-n]
+        assert any(text[i : i + n] == span for i in range(len(text) - n + 1))
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
@@ -112,29 +123,29 @@ def _weights(out_dir):
 def test_resume_equals_an_uninterrupted_run_and_follows_the_rules(tmp_path):
     """3 steps at once vs 3 stretches of one step each (checkpoint + reload between)."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train(micro_config(straight, stages=[Stage(3, 128, 2, 0.5)]))
+    train(micro_config(straight, stages=[Stage(3, 256, 2, 0.5)]))
     for _ in range(3):
-        report = train(micro_config(resumed, stages=[Stage(3, 128, 2, 0.5)], max_minutes=0.0))
+        report = train(micro_config(resumed, stages=[Stage(3, 256, 2, 0.5)], max_minutes=0.0))
     assert report["steps"] == 3
     a, b = _weights(straight), _weights(resumed)
     for name in a:
         assert torch.allclose(a[name], b[name], atol=5e-5), name
     state = json.loads((resumed / "training_state" / "state.json").read_text())
-    assert state["step"] == 3 and state["tokens"] == 3 * 2 * 128
+    assert state["step"] == 3 and state["tokens"] == 3 * 2 * 256
     curve = (resumed / "training_curve.csv").read_text().splitlines()
     assert len(curve) == 4 and (resumed / "training_curve.png").is_file()
 
     saved = state["config"]
-    later = micro_config(resumed, stages=[Stage(3, 128, 2, 0.5), Stage(2, 192, 2, 1.0)])
+    later = micro_config(resumed, stages=[Stage(3, 256, 2, 0.5), Stage(2, 320, 2, 1.0)])
     check_resume(saved, replace(later, schedule_steps=3), 3)  # appended stage, same lr horizon
     with pytest.raises(ValueError, match="lr horizon"):
         check_resume(saved, later, 3)
     with pytest.raises(ValueError, match="stages change step 2"):
         check_resume(
-            saved, micro_config(resumed, stages=[Stage(2, 128, 2, 0.5), Stage(1, 128, 4, 0.5)]), 3
+            saved, micro_config(resumed, stages=[Stage(2, 256, 2, 0.5), Stage(1, 256, 4, 0.5)]), 3
         )
     with pytest.raises(ValueError, match="lr changed"):
-        check_resume(saved, micro_config(resumed, stages=[Stage(3, 128, 2, 0.5)], lr=5e-4), 3)
+        check_resume(saved, micro_config(resumed, stages=[Stage(3, 256, 2, 0.5)], lr=5e-4), 3)
 
 
 @pytest.mark.parametrize(
@@ -143,6 +154,8 @@ def test_resume_equals_an_uninterrupted_run_and_follows_the_rules(tmp_path):
         (dict(stages=[]), "stages"),
         (dict(stages=[Stage(5, 8192, 1, 0.5)]), r"stages\[0\].seq_len"),
         (dict(stages=[Stage(5, 256, 1, 1.5)]), r"stages\[0\].retrieval_share"),
+        (dict(stages=[Stage(5, 256, 1, 0.5, distractor_share=-1.0)]), "distractor_share"),
+        (dict(stages=[Stage(5, 256, 1, 0.8, copy_share=0.3)]), "retrieval_share \\+ copy_share"),
         (dict(filler_share=2.0), "filler_share"),
         (dict(schedule_steps=3), "schedule_steps"),
     ],
