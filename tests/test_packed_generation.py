@@ -1,6 +1,7 @@
-"""`cache.backend=packed`: model.generate through the paged packed cache computes the simulator's
-function — greedy tokens equal, logits within float tolerance — and the pool holds exactly the
-memory model's bytes."""
+"""`cache.backend=packed`: decoding through the paged packed cache computes the simulator's
+function — fed the simulator's greedy tokens, each step's logits are within float tolerance of the
+simulator's and pick the same token wherever the simulator has a clear winner — and the pool holds
+exactly the memory model's bytes."""
 
 import pytest
 import torch
@@ -23,6 +24,17 @@ def tiny():
     return model, tokenizer(text, return_tensors="pt").input_ids
 
 
+def teacher_forced(model, prompt, tokens, cache) -> list[torch.Tensor]:
+    """Next-token logits of the prompt and then of each given token, one decode step at a time
+    through `cache` (generation's path, fed the reference's tokens: a BF16 near-tie in the
+    reference cannot send the two continuations apart)."""
+    with torch.no_grad():
+        logits = [model(prompt, cache=cache).logits[:, -1]]
+        for token in tokens:
+            logits.append(model(token.view(1, 1), cache=cache).logits[:, -1])
+    return logits
+
+
 @needs_tiny
 @pytest.mark.parametrize(
     "precision, kernel, prompt_len, steps, recent",
@@ -42,13 +54,16 @@ def test_packed_generation_equals_the_simulator(tiny, precision, kernel, prompt_
         simulated = greedy(model, prompt, steps)
         set_policy(model, backend="packed", kernel=kernel)
         cache = DynamicCache(config=model.config)
-        packed = greedy(model, prompt, steps, cache)
+        packed = teacher_forced(model, prompt, simulated.sequences[0, prompt_len:-1], cache)
     finally:
         unpatch_model(model)
     assert all(isinstance(layer, PackedLatentLayer) for layer in cache.layers)
-    assert torch.equal(packed.sequences, simulated.sequences)
-    for a, b in zip(packed.logits, simulated.logits):
-        assert float((a.float() - b.float()).abs().max()) <= 0.05 * float(b.float().abs().max())
+    for a, b in zip(packed, simulated.logits):
+        tol = 0.05 * float(b.float().abs().max())
+        assert float((a.float() - b.float()).abs().max()) <= tol
+        top2 = b.float().topk(2).values[0]
+        if float(top2[0] - top2[1]) > 2 * tol:  # a clear winner: the same greedy token
+            assert int(a.argmax()) == int(b.argmax())
     tokens = prompt_len + steps - 1  # the last generated token is never fed back
     layout = CacheLayout(QuantizerSpec.from_precision(precision), 128, 64, recent=recent)
     assert cache.layers[0].tokens == tokens
