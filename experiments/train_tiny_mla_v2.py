@@ -29,20 +29,14 @@ import torch.nn.functional as F
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from experiments.train_tiny_mla import TinyModelConfig, training_documents
 from quantmla.data.retrieval import RetrievalSampler, heldout_phrasing
 
 
 @dataclass
-class V2ModelConfig:
-    hidden_size: int = 256
-    num_layers: int = 6
-    num_heads: int = 4
-    kv_lora_rank: int = 256
-    qk_nope_head_dim: int = 64
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 64
-    intermediate_size: int = 768
-    max_position_embeddings: int = 4096
+class V2ModelConfig(TinyModelConfig):
+    kv_lora_rank: int = 256  # four content groups
+    max_position_embeddings: int = 4096  # 4K RULER is defined
 
 
 @dataclass
@@ -143,8 +137,6 @@ class TrainingData:
     """Token streams (train / held-out documents) and the batch of any step, from (seed, step)."""
 
     def __init__(self, cfg: TrainV2Config, tokenizer):
-        from experiments.train_tiny_mla import training_documents
-
         docs = training_documents(cfg.data_dir)
         order = list(range(len(docs)))
         random.Random(cfg.seed).shuffle(order)

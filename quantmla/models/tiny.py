@@ -40,7 +40,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     )
 
 
-def tiny_mla_config(
+def dense_mla_fields(
     vocab_size: int,
     hidden_size: int = 256,
     num_layers: int = 6,
@@ -55,11 +55,9 @@ def tiny_mla_config(
     bos_token_id: int = 0,
     eos_token_id: int = 1,
     pad_token_id: int = 2,
-):
-    """A dense DeepSeek-V3-architecture config for the tiny testbed (every layer dense, no MoE)."""
-    from transformers import DeepseekV3Config
-
-    return DeepseekV3Config(
+) -> dict:
+    """The fields both testbeds share: every layer dense (no MoE), no query LoRA, tied embeddings."""
+    return dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -69,8 +67,6 @@ def tiny_mla_config(
         n_routed_experts=1,
         num_experts_per_tok=1,
         n_shared_experts=1,
-        n_group=1,
-        topk_group=1,
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads,
         q_lora_rank=None,
@@ -78,61 +74,35 @@ def tiny_mla_config(
         qk_nope_head_dim=qk_nope_head_dim,
         qk_rope_head_dim=qk_rope_head_dim,
         v_head_dim=v_head_dim,
-        rope_interleave=True,
         max_position_embeddings=max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
         tie_word_embeddings=True,
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
+    )
+
+
+def tiny_mla_config(vocab_size: int, **dims):
+    """A dense DeepSeek-V3-architecture config for the tiny testbed (`dense_mla_fields` defaults)."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        **dense_mla_fields(vocab_size, **dims),
+        n_group=1,
+        topk_group=1,
+        rope_interleave=True,
         num_nextn_predict_layers=0,
     )
 
 
-def tiny_mla_v2_config(
-    vocab_size: int,
-    hidden_size: int = 256,
-    num_layers: int = 6,
-    num_heads: int = 4,
-    kv_lora_rank: int = 256,
-    qk_nope_head_dim: int = 64,
-    qk_rope_head_dim: int = 64,
-    v_head_dim: int = 64,
-    intermediate_size: int = 768,
-    max_position_embeddings: int = 4096,
-    rope_theta: float = 10000.0,
-    bos_token_id: int = 0,
-    eos_token_id: int = 1,
-    pad_token_id: int = 2,
-):
+def tiny_mla_v2_config(vocab_size: int, **dims):
     """The second testbed: a dense DeepSeek-V2-architecture config (V2's RoPE layout: interleaved
     pairs in the weights and in the cache), four content groups (d_c 256), positions to 4K."""
     from transformers import DeepseekV2Config
 
-    return DeepseekV2Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        moe_intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        first_k_dense_replace=num_layers,  # all layers dense
-        n_routed_experts=1,
-        num_experts_per_tok=1,
-        n_shared_experts=1,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        q_lora_rank=None,
-        kv_lora_rank=kv_lora_rank,
-        qk_nope_head_dim=qk_nope_head_dim,
-        qk_rope_head_dim=qk_rope_head_dim,
-        v_head_dim=v_head_dim,
-        max_position_embeddings=max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-        tie_word_embeddings=True,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-    )
+    dims = {"kv_lora_rank": 256, "max_position_embeddings": 4096, **dims}
+    return DeepseekV2Config(**dense_mla_fields(vocab_size, **dims))
 
 
 def widen_latent_state(state: dict, old_rank: int, new_rank: int) -> dict:
