@@ -23,7 +23,7 @@ from hydra.core.config_store import ConfigStore
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import OmegaConf
 
-from quantmla.data import load_documents
+from quantmla.data import document_stream, load_documents
 from quantmla.models.tiny import tiny_mla_config, train_tokenizer
 
 
@@ -115,11 +115,7 @@ def training_documents(data_dir: str | None) -> list[str]:
 
 def token_windows(docs: list[str], tokenizer, seq_len: int) -> torch.Tensor:
     """Documents joined with EOS, cut into non-overlapping (N, seq_len) windows."""
-    eos = tokenizer.eos_token_id
-    ids: list[int] = []
-    for enc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
-        ids.extend(enc)
-        ids.append(eos)
+    ids = document_stream(docs, tokenizer)
     n = len(ids) // seq_len
     return torch.tensor(ids[: n * seq_len]).view(n, seq_len)
 

@@ -30,7 +30,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from experiments.train_tiny_mla import TinyModelConfig, training_documents
+from quantmla.data import document_stream
 from quantmla.data.retrieval import RetrievalSampler, heldout_phrasing
+from quantmla.evaluation.retrieval import accuracy
 
 
 @dataclass
@@ -142,20 +144,14 @@ class TrainingData:
         random.Random(cfg.seed).shuffle(order)
         n_held = max(1, int(len(docs) * cfg.heldout_fraction))
         held, train = sorted(order[:n_held]), sorted(order[n_held:])
-        self.cfg, self.eos = cfg, tokenizer.eos_token_id
-        self.train = self._stream([docs[i] for i in train], tokenizer)
-        self.heldout = self._stream([docs[i] for i in held], tokenizer)
-        c4 = self._stream(
+        self.cfg = cfg
+        self.train = document_stream([docs[i] for i in train], tokenizer)
+        self.heldout = document_stream([docs[i] for i in held], tokenizer)
+        c4 = document_stream(
             [docs[i] for i in train if not docs[i].startswith("Question: ")], tokenizer
         )
         self.c4_sampler = RetrievalSampler(tokenizer, c4)
         self.filler_sampler = RetrievalSampler(tokenizer)
-
-    def _stream(self, docs: list[str], tokenizer) -> list[int]:
-        ids: list[int] = []
-        for enc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
-            ids += enc + [self.eos]
-        return ids
 
     def copy_row(self, seq_len: int, rng: random.Random) -> tuple[list[int], list[int]]:
         """C4-train text whose last n (16-48) tokens repeat an earlier span of the row: the repeat
@@ -219,12 +215,7 @@ def retrieval_accuracy(model, sampler: RetrievalSampler, length: int, n: int, se
     """Greedy exact match (the value in the continuation) on held-out phrasings, 7-digit values."""
     rng = random.Random(seed)
     samples = [sampler.sample(length, rng, heldout_phrasing, "number7") for _ in range(n)]
-    hits = 0
-    for s in samples:
-        prompt = torch.tensor([s.ids[: s.prompt_len]])
-        out = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=sampler.eos)
-        hits += s.value in sampler.tokenizer.decode(out[0, prompt.shape[1] :])
-    return hits / n
+    return accuracy(model, sampler.tokenizer, samples, max_new_tokens=8)
 
 
 def build_model(cfg: TrainV2Config, tokenizer):

@@ -8,6 +8,7 @@ _EXPORTS = {
         (
             "CalibrationSplit",
             "calibration_split",
+            "document_stream",
             "perplexity_windows",
             "sensitivity_cell",
             "tokenize",

@@ -19,6 +19,14 @@ def tokenize(text: str, tokenizer) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def document_stream(documents: list[str], tokenizer) -> list[int]:
+    """Token ids of the documents in order, each followed by EOS (training streams, haystacks)."""
+    ids: list[int] = []
+    for enc in tokenizer(documents, add_special_tokens=False)["input_ids"]:
+        ids += enc + [tokenizer.eos_token_id]
+    return ids
+
+
 def _slots(ids: torch.Tensor, seqlen: int) -> torch.Tensor:
     if seqlen < 2:
         raise ConfigError("seqlen", seqlen, "an integer >= 2")

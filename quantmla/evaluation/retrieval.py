@@ -18,17 +18,14 @@ VALUE_STYLE = "number7"
 
 
 def sampler_for(haystack: str, tokenizer, data_dir):
-    from quantmla.data import load_documents
+    from quantmla.data import document_stream, load_documents
     from quantmla.data.retrieval import RetrievalSampler
 
     if haystack == "noise":
         return RetrievalSampler(tokenizer)
-    ids: list[int] = []
-    for enc in tokenizer(load_documents("c4", "eval", data_dir), add_special_tokens=False)[
-        "input_ids"
-    ]:
-        ids += enc + [tokenizer.eos_token_id]
-    return RetrievalSampler(tokenizer, ids)
+    return RetrievalSampler(
+        tokenizer, document_stream(load_documents("c4", "eval", data_dir), tokenizer)
+    )
 
 
 def documents(sampler, length: int, n: int, seed: int) -> list:
