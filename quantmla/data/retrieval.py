@@ -154,12 +154,6 @@ def heldout_phrasing(rng: random.Random) -> Phrasing:
     return rng.choice(HELDOUT)
 
 
-PHRASINGS: dict[str, Callable[[random.Random], Phrasing]] = {
-    "train": training_phrasing,
-    "heldout": heldout_phrasing,
-}
-
-
 def _fill(template: str, **fields: str) -> str:
     """The template's first letter capitalised (not a field's: a key is spelled one way only)."""
     template = template[:1].upper() + template[1:]
@@ -178,7 +172,6 @@ class Sample:
     prompt_len: int  # tokens up to and including "Answer:"
     value: str
     key: str
-    depth: float  # needle position / haystack length
 
 
 class RetrievalSampler:
@@ -256,13 +249,11 @@ class RetrievalSampler:
         hay, cuts = self._haystack(n_hay, rng)
         text_kind = 0 if self.haystack is None else 1
         places = sorted((rng.choice(cuts), i) for i in range(len(needles)))
-        ids, kinds, prev, depth = [], [], 0, 0.0
+        ids, kinds, prev = [], [], 0
         for cut, i in places:
             ids += hay[prev:cut] + needles[i]
             kinds += [text_kind] * (cut - prev) + [0] * len(needles[i])
             prev = cut
-            if i == 0:
-                depth = cut / max(1, n_hay)
         ids += hay[prev:]
         kinds += [text_kind] * (n_hay - prev)
         for question, answer in qa:
@@ -271,4 +262,4 @@ class RetrievalSampler:
             prompt_len = len(ids)
             ids += answer
             kinds += [2] * len(answer)
-        return Sample(ids, kinds, prompt_len, values[0], keys[0], depth)
+        return Sample(ids, kinds, prompt_len, values[0], keys[0])
