@@ -49,6 +49,9 @@ class Stage:
     retrieval_share: float  # fraction of rows that are retrieval documents
     distractor_share: float = 0.5  # retrieval rows with 1-3 more needles (each may be asked too)
     copy_share: float = 0.0  # rows of C4-train text ending in a repeat of one of their spans
+    restate_share: float = 0.0  # retrieval rows answered after a restated lead (sampler `restate`)
+    uuid_share: float = 0.0  # retrieval rows with UUID values (else number / word / hex)
+    lr: float | None = None  # a constant lr for this stage (None: the cosine schedule)
 
 
 @dataclass
@@ -99,6 +102,9 @@ def stage_at(cfg: TrainV2Config, step: int) -> tuple[int, Stage]:
 
 
 def lr_at(cfg: TrainV2Config, step: int) -> float:
+    stage_lr = stage_at(cfg, min(step, total_steps(cfg) - 1))[1].lr
+    if stage_lr is not None:
+        return stage_lr
     horizon = cfg.schedule_steps or total_steps(cfg)
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -115,7 +121,10 @@ def validate(cfg: TrainV2Config) -> None:
     for i, s in enumerate(cfg.stages):
         if s.steps < 1 or s.batch_size < 1:
             raise ValueError(f"stages[{i}]: steps and batch_size must be >= 1, got {s}")
-        for name in ("retrieval_share", "distractor_share", "copy_share"):
+        if s.lr is not None and not 0.0 < s.lr <= 1.0:
+            raise ValueError(f"stages[{i}].lr={s.lr}: allowed (0, 1] or null (the cosine schedule)")
+        for name in ("retrieval_share", "distractor_share", "copy_share", "restate_share",
+                     "uuid_share"):  # fmt: skip
             if not 0.0 <= getattr(s, name) <= 1.0:
                 raise ValueError(f"stages[{i}].{name}={getattr(s, name)}: allowed [0, 1]")
         if s.retrieval_share + s.copy_share > 1.0:
@@ -176,7 +185,17 @@ class TrainingData:
                 )
                 distractors = rng.randint(1, 3) if rng.random() < stage.distractor_share else 0
                 questions = rng.randint(1, distractors + 1)
-                s = sampler.sample(stage.seq_len, rng, distractors=distractors, questions=questions)
+                # later stages' draws only where they are on: earlier stages' batches stay as trained
+                restate = stage.restate_share > 0 and rng.random() < stage.restate_share
+                uuid = stage.uuid_share > 0 and rng.random() < stage.uuid_share
+                s = sampler.sample(
+                    stage.seq_len,
+                    rng,
+                    style="uuid" if uuid else None,
+                    distractors=distractors,
+                    questions=questions,
+                    restate=restate,
+                )
                 ids.append(s.ids)
                 kinds.append(s.kinds)
             elif draw < stage.retrieval_share + stage.copy_share:
@@ -317,7 +336,7 @@ def check_resume(saved: dict, cfg: TrainV2Config, step: int) -> None:
     def shape(c, s):
         stage = stage_at(c, s)[1]
         return (stage.seq_len, stage.batch_size, stage.retrieval_share, stage.distractor_share,
-                stage.copy_share)  # fmt: skip
+                stage.copy_share, stage.restate_share, stage.uuid_share, stage.lr)  # fmt: skip
 
     for s in range(step):
         if shape(before, s) != shape(cfg, s):

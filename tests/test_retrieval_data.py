@@ -15,6 +15,7 @@ from quantmla.data.retrieval import (
     RetrievalSampler,
     heldout_phrasing,
     random_key,
+    random_value,
     training_phrasing,
 )
 from tests.conftest import DATA_DIR, TINY_MLA
@@ -67,6 +68,45 @@ def test_documents_are_exact_deterministic_and_answer_where_the_targets_say(
             hay = [t for t, k in zip(s.ids, s.kinds) if k == 1]
             joined = ",".join(map(str, ids))
             assert ",".join(map(str, hay[:20])) in joined
+
+
+def test_restated_answers_follow_a_lead_that_names_the_key(tokenizer):
+    """`restate`: the same exact-length document, the answer after a restated lead (optionally an
+    instruction header first); none of it is RULER's wording."""
+    from quantmla.evaluation.niah import NEEDLE, TEMPLATE
+
+    sampler = RetrievalSampler(tokenizer)
+    plain = _samples(sampler, 7, n=24, distractors=1, questions=2)
+    restated = _samples(sampler, 7, n=24, distractors=1, questions=2, restate=True)
+    assert [s.ids for s in restated] == [
+        s.ids for s in _samples(sampler, 7, n=24, distractors=1, questions=2, restate=True)
+    ]
+    layouts = set()
+    for s in restated:
+        assert len(s.ids) == len(s.kinds) == 300
+        assert tokenizer.decode(s.ids[s.prompt_len :]) == f" {s.value}{tokenizer.eos_token}"
+        prompt = tokenizer.decode(s.ids[: s.prompt_len])
+        last = prompt.rsplit("\n", 1)[1]
+        assert s.key in last and last.endswith((" is", " with")), last
+        layouts.add(prompt.rsplit("\n", 2)[-2].startswith("Question: "))
+    assert layouts == {True, False}
+    assert [s.ids for s in plain] != [s.ids for s in restated]
+    theirs = set()
+    for v in ("number", "numbers", "uuid", "uuids"):
+        theirs |= _shingles(TEMPLATE.format(type_needle_v=v, context="", query="k"), 4)
+        theirs |= _shingles(NEEDLE.format(type_needle_v=v, key="k", value="1"), 4)
+    for s in restated:
+        prompt = tokenizer.decode(s.ids[: s.prompt_len]).replace("\n", " ")
+        assert not _shingles(prompt, 4) & theirs
+
+
+def test_uuid_values_match_ruler_s_uuid_form():
+    value = random_value("uuid", random.Random(0))
+    assert re.fullmatch(
+        r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}", value
+    )
+    with pytest.raises(ValueError, match="uuid"):
+        random_value("guid", random.Random(0))
 
 
 def test_heldout_phrasings_share_no_content_word_with_training_phrasings():

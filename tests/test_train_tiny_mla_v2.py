@@ -2,6 +2,7 @@
 targets, resume equal to an uninterrupted run, resume rules, bad config."""
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -95,6 +96,41 @@ def test_batches_are_a_function_of_the_step_with_the_right_targets(data, tokeniz
     assert text_rows and all(set(k) == {1} for k in text_rows)
 
 
+def test_batches_of_the_trained_stages_stay_as_trained(data):
+    """Stages without the later knobs (restated answers, UUIDs, stage lr) draw exactly the batches
+    they drew when the checkpoint's first 2,100 steps were trained (digest from that commit,
+    71987ee), so `make train-tiny-v2` from scratch still reproduces them."""
+    import copy
+    import hashlib
+
+    golden = copy.copy(data)
+    golden.cfg = replace(
+        data.cfg, stages=[Stage(2, 256, 4, 0.5, 0.0, 0.25), Stage(2, 512, 4, 0.75, 0.5, 0.1)]
+    )
+    h = hashlib.sha256()
+    for step in range(4):
+        ids, kinds = golden.batch(step)
+        h.update(ids.numpy().tobytes())
+        h.update(kinds.numpy().tobytes())
+    assert h.hexdigest() == "757e787b8070f4aaaa91b4c93b9e1f4da50068360de211fbb1c7db56da7e4833"
+
+
+def test_restate_and_uuid_stages_change_the_prompts_not_the_targets(data, tokenizer):
+    import copy
+
+    later = copy.copy(data)
+    later.cfg = replace(data.cfg, stages=[Stage(3, 512, 8, 1.0, restate_share=1.0, uuid_share=1.0)])
+    for step in range(3):
+        ids, kinds = later.batch(step)
+        for row, kind in zip(ids.tolist(), kinds.tolist()):
+            starts = [i for i in range(1, len(kind)) if kind[i] == 2 and kind[i - 1] != 2]
+            for i in starts:
+                assert not tokenizer.decode(row[:i]).endswith("\nAnswer:")  # a restated lead
+                end = next((j for j in range(i, len(kind)) if kind[j] != 2), len(kind))
+                value = tokenizer.decode(row[i:end]).replace(tokenizer.eos_token, "").strip()
+                assert re.fullmatch(r"[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}", value), value
+
+
 def test_copy_rows_repeat_an_earlier_span_as_the_answer(data):
     import random
 
@@ -112,6 +148,11 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     assert lr_at(cfg, 99) == pytest.approx(1e-4, rel=1e-2) and lr_at(cfg, 500) == pytest.approx(
         1e-4
     )
+    later = replace(
+        cfg, schedule_steps=100, stages=[Stage(100, 64, 1, 0.0), Stage(20, 64, 1, 0.0, lr=3e-4)]
+    )
+    assert lr_at(later, 50) == lr_at(cfg, 50)  # the cosine stages are unchanged
+    assert lr_at(later, 100) == lr_at(later, 119) == lr_at(later, 500) == 3e-4
 
 
 def _weights(out_dir):
@@ -144,6 +185,12 @@ def test_resume_equals_an_uninterrupted_run_and_follows_the_rules(tmp_path):
         check_resume(
             saved, micro_config(resumed, stages=[Stage(2, 256, 2, 0.5), Stage(1, 256, 4, 0.5)]), 3
         )
+    with pytest.raises(ValueError, match="stages change step 0"):
+        check_resume(saved, micro_config(resumed, stages=[Stage(3, 256, 2, 0.5, lr=1e-4)]), 3)
+    with pytest.raises(ValueError, match="stages change step 0"):
+        check_resume(
+            saved, micro_config(resumed, stages=[Stage(3, 256, 2, 0.5, restate_share=0.5)]), 3
+        )
     with pytest.raises(ValueError, match="lr changed"):
         check_resume(saved, micro_config(resumed, stages=[Stage(3, 256, 2, 0.5)], lr=5e-4), 3)
 
@@ -156,6 +203,9 @@ def test_resume_equals_an_uninterrupted_run_and_follows_the_rules(tmp_path):
         (dict(stages=[Stage(5, 256, 1, 1.5)]), r"stages\[0\].retrieval_share"),
         (dict(stages=[Stage(5, 256, 1, 0.5, distractor_share=-1.0)]), "distractor_share"),
         (dict(stages=[Stage(5, 256, 1, 0.8, copy_share=0.3)]), "retrieval_share \\+ copy_share"),
+        (dict(stages=[Stage(5, 256, 1, 0.5, restate_share=2.0)]), "restate_share"),
+        (dict(stages=[Stage(5, 256, 1, 0.5, uuid_share=-0.1)]), "uuid_share"),
+        (dict(stages=[Stage(5, 256, 1, 0.5, lr=0.0)]), r"stages\[0\].lr"),
         (dict(filler_share=2.0), "filler_share"),
         (dict(schedule_steps=3), "schedule_steps"),
     ],

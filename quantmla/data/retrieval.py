@@ -12,6 +12,7 @@ sized exactly; everything is a function of the `random.Random` passed in (determ
 from __future__ import annotations
 
 import random
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -28,6 +29,7 @@ FILLER = (
     "Wind moves through the tall grass.",
 )
 STYLES = ("number", "word", "hex")
+VALUE_STYLES = STYLES + ("number7", "uuid")
 
 # Training phrasings: frames × nouns × intros, and free-form needles.
 NOUNS = (
@@ -54,11 +56,31 @@ QUESTION_FRAMES = (
 )
 FREE_QUESTIONS = ("What about {key}?", "{key}?", "And {key}?", "What goes with {key}?")
 
+# Restated answers (our wording): the prompt ends in a declarative lead and the value follows it,
+# as in long-context suites that put an answer prefix after the question.
+LEADS = (
+    "The {noun} for {key} is",
+    "The {noun} of {key} is",
+    "{key}'s {noun} is",
+    "The {noun} for {key} given in the text above is",
+    "The {noun} of {key} stated earlier is",
+    "According to the text, the {noun} for {key} is",
+    "The {noun} that was given for {key} is",
+)
+FREE_LEADS = ("{key} goes with", "The value for {key} is", "In the text, {key} was paired with")
+JOINS = ("\nQuestion: {question}\nAnswer: {lead}", "\n{question} {lead}", "\n{question}\n{lead}")
+HEADERS = (
+    "Read the following text carefully and keep track of every {noun} in it.\n",
+    "Below is a long text with a {noun} somewhere inside. A question about it follows.\n",
+    "There is a {noun} in the passage below; you will need it later.\n",
+)
+
 
 @dataclass(frozen=True)
 class Phrasing:
     needle: str  # with {key} and {value}
     question: str  # with {key}
+    noun: str = ""  # what the value is called, for a restated answer ("" : free-form)
 
 
 # Evaluation phrasings: none of HELDOUT_WORDS occurs in any training phrasing (tested).
@@ -130,7 +152,9 @@ def random_value(style: str, rng: random.Random) -> str:
         return random_key(rng)
     if style == "hex":
         return f"{rng.getrandbits(32):08x}"
-    raise ValueError(f"value style {style!r}: allowed {STYLES + ('number7',)}")
+    if style == "uuid":  # RULER S-NIAH-3's values are UUIDs
+        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+    raise ValueError(f"value style {style!r}: allowed {VALUE_STYLES}")
 
 
 def training_phrasing(rng: random.Random) -> Phrasing:
@@ -139,7 +163,7 @@ def training_phrasing(rng: random.Random) -> Phrasing:
     if rng.random() < 0.5:
         noun = rng.choice(NOUNS)
         needle = rng.choice(INTROS) + rng.choice(NEEDLE_FRAMES).replace("{noun}", noun)
-        return Phrasing(needle, rng.choice(QUESTION_FRAMES).replace("{noun}", noun))
+        return Phrasing(needle, rng.choice(QUESTION_FRAMES).replace("{noun}", noun), noun)
     adjectives, nouns = _word_pool()
     middle = " ".join(rng.choice(adjectives + nouns) for _ in range(rng.randint(1, 3)))
     needle = (
@@ -147,7 +171,7 @@ def training_phrasing(rng: random.Random) -> Phrasing:
     )
     if rng.random() < 0.5:
         return Phrasing(needle, rng.choice(FREE_QUESTIONS))
-    return Phrasing(needle, rng.choice(QUESTION_FRAMES).replace("{noun}", middle))
+    return Phrasing(needle, rng.choice(QUESTION_FRAMES).replace("{noun}", middle), middle)
 
 
 def heldout_phrasing(rng: random.Random) -> Phrasing:
@@ -214,12 +238,15 @@ class RetrievalSampler:
         style: str | None = None,
         distractors: int = 0,
         questions: int = 1,
+        restate: bool = False,
     ) -> Sample:
         """A document of exactly `length` tokens: haystack with the needle and `distractors`
         needles of other keys (same phrasing, other values) at random sentence boundaries, then
         `questions` question/answer pairs about distinct needles, the first needle asked last:
         "\nQuestion: …\nAnswer: <value>", EOS after the last. `prompt_len` and `value` are the
-        last question's (training asks several at once: more answer tokens per document)."""
+        last question's (training asks several at once: more answer tokens per document).
+        `restate`: the prompt may open with an instruction header, and each answer follows a
+        restated lead ("… The passkey for <key> is <value>") in one of `JOINS`' layouts."""
         if not 1 <= questions <= distractors + 1:
             raise ValueError(f"questions={questions}: allowed 1..{distractors + 1} (the needles)")
         style = style or rng.choice(STYLES)
@@ -236,20 +263,30 @@ class RetrievalSampler:
         asked = list(range(1, distractors + 1))
         rng.shuffle(asked)
         asked = asked[: questions - 1] + [0]
+        join, lead, header = "\nQuestion: {question}\nAnswer:", "", []
+        if restate:
+            join = rng.choice(JOINS)
+            lead = rng.choice(LEADS if form.noun else FREE_LEADS).replace("{noun}", form.noun)
+            if form.noun and rng.random() < 0.5:
+                header = self.encode(_fill(rng.choice(HEADERS), noun=form.noun))
         qa = [
             (
-                self.encode("\nQuestion: " + _fill(form.question, key=keys[i]) + "\nAnswer:"),
+                self.encode(
+                    join.replace("{question}", _fill(form.question, key=keys[i])).replace(
+                        "{lead}", _fill(lead, key=keys[i])
+                    )
+                ),
                 self.encode(" " + values[i]) + ([self.eos] if n == len(asked) - 1 else []),
             )
             for n, i in enumerate(asked)
         ]
-        n_hay = length - sum(map(len, needles)) - sum(len(q) + len(a) for q, a in qa)
+        n_hay = length - len(header) - sum(map(len, needles)) - sum(len(q) + len(a) for q, a in qa)
         if n_hay < 0:
             raise ValueError(f"length {length} is too short for a retrieval document")
         hay, cuts = self._haystack(n_hay, rng)
         text_kind = 0 if self.haystack is None else 1
         places = sorted((rng.choice(cuts), i) for i in range(len(needles)))
-        ids, kinds, prev = [], [], 0
+        ids, kinds, prev = list(header), [0] * len(header), 0
         for cut, i in places:
             ids += hay[prev:cut] + needles[i]
             kinds += [text_kind] * (cut - prev) + [0] * len(needles[i])

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import random
 import re
-import uuid
 from functools import cache
 from pathlib import Path
+
+from quantmla.data.retrieval import random_value
 
 ESSAYS = "niah-paul-graham-essays/PaulGrahamEssays"
 # RULER's text, word for word (tests compare them with lm-eval's niah_utils / prepare_niah).
@@ -83,11 +84,7 @@ def insert_needle(words: list[str], needle: str, depth: int) -> str:
 def make_sample(variant: str, n_words: int, rng: random.Random, data_dir) -> dict:
     kind, value_type = VARIANTS[variant]
     key = random_key(rng)
-    value = (
-        str(rng.randint(10**6, 10**7 - 1))
-        if value_type == "numbers"
-        else str(uuid.UUID(int=rng.getrandbits(128), version=4))
-    )
+    value = random_value("number7" if value_type == "numbers" else "uuid", rng)
     singular = value_type[:-1]
     needle = NEEDLE.format(type_needle_v=value_type, key=key, value=value)
     context = insert_needle(haystack_words(kind, n_words, data_dir), needle, rng.choice(DEPTHS))
