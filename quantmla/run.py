@@ -40,7 +40,7 @@ def run(cfg) -> dict | None:
     from omegaconf import OmegaConf
 
     from quantmla.config import validate
-    from quantmla.tracking.store import load_record, record_path
+    from quantmla.tracking.store import load_record, record_path, weights_fingerprint
 
     evaluator, paths = validate(cfg)
     if cfg.precision.name == "bf16" and cfg.method.name != "rtn":
@@ -49,6 +49,8 @@ def run(cfg) -> dict | None:
         )
         return None
     config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    # the weights are part of the job: a retrained checkpoint under the same path is a new record
+    config["model"]["weights"] = weights_fingerprint(paths.checkpoint(cfg.model.path))
     path = record_path(paths.results_dir, cfg.experiment_name, config)
     _running.update(
         job=f"{cfg.model.name} {cfg.precision.name} {cfg.method.name} ({cfg.eval.kind})",

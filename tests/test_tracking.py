@@ -55,6 +55,53 @@ def test_config_hash_stable_and_sensitive():
         assert store.config_hash(as_dict(same)) == base, same
 
 
+def test_weights_fingerprint_tells_checkpoints_apart(tmp_path, monkeypatch):
+    """Same bytes, same digest wherever they lie; one changed byte (whole-file hashing) or one
+    changed sampled block (large files) changes it; a hub id has none."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder in (a, b):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(bytes(range(256)) * 4096)
+        (folder / "config.json").write_text("{}")
+    assert store.weights_fingerprint(a) == store.weights_fingerprint(b)
+    (b / "config.json").write_text('{"x": 1}')  # not a weight file
+    assert store.weights_fingerprint(a) == store.weights_fingerprint(b)
+    weights = bytearray((b / "model.safetensors").read_bytes())
+    weights[12345] ^= 1
+    (b / "model.safetensors").write_bytes(weights)
+    assert store.weights_fingerprint(a) != store.weights_fingerprint(b)
+    monkeypatch.setattr(store, "WHOLE_FILE_BYTES", 1024)  # the sampled path
+    monkeypatch.setattr(store, "BLOCK", 512)
+    before = store.weights_fingerprint(b)
+    weights[-1] ^= 1  # the last block is always read
+    (b / "model.safetensors").write_bytes(weights)
+    assert store.weights_fingerprint(b) != before
+    assert store.weights_fingerprint("deepseek-ai/DeepSeek-V2-Lite") is None
+
+
+@needs_tiny
+def test_a_retrained_checkpoint_under_the_same_path_is_a_new_job(tmp_path):
+    """The record's hash covers the weights: the same job on changed weights is not skipped."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.conftest import TINY_MLA, run_config, tiny_job
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(TINY_MLA, ckpt)
+    job = tiny_job(tmp_path / "results", f"model.path={ckpt}")
+    first = run(run_config(*job))
+    assert first["config"]["model"]["weights"] == store.weights_fingerprint(TINY_MLA)
+    assert run(run_config(*job))["created"] == first["created"]  # skipped: same weights
+    state = load_file(ckpt / "model.safetensors")
+    state["model.norm.weight"] = state["model.norm.weight"] * 1.5
+    save_file(state, ckpt / "model.safetensors", metadata={"format": "pt"})
+    second = run(run_config(*job))
+    assert second["config_hash"] != first["config_hash"]
+    assert second["metrics"]["ppl/wikitext2"] != first["metrics"]["ppl/wikitext2"]
+
+
 def test_atomic_write_leaves_no_partial_record(tmp_path, monkeypatch):
     path = tmp_path / "exp" / "abc" / "result.json"
     store.write_atomic(path, {"a": 1})

@@ -17,7 +17,7 @@ from quantmla.data import calibration_split, load_text, tokenize
 from quantmla.methods.base import ArtifactMismatchError, MethodJob, load_artifact, save_artifact
 from quantmla.methods.registry import METHODS
 from quantmla.spec import QuantizerSpec
-from quantmla.tracking.store import stable_hash
+from quantmla.tracking.store import stable_hash, weights_fingerprint
 
 
 def _tensor_sha(t: torch.Tensor) -> str:
@@ -34,10 +34,11 @@ def calibration_sequences(cfg, paths, tokenizer) -> tuple[torch.Tensor, int]:
     return torch.cat([split.calibration, split.heldout]), split.calibration.shape[0]
 
 
-def artifact_metadata(cfg, model, spec: QuantizerSpec, data_hash: str) -> dict[str, str]:
+def artifact_metadata(cfg, paths, model, spec: QuantizerSpec, data_hash: str) -> dict[str, str]:
     return {
         "model": cfg.model.path,
         "model_config_hash": stable_hash(model.config.to_dict(), 16),
+        "weights": str(weights_fingerprint(paths.checkpoint(cfg.model.path))),
         "precision": spec.precision,
         "quantizer": spec.key,
         "method": cfg.method.name,
@@ -54,7 +55,7 @@ def prepare_method(cfg, paths, model, adapter, tokenizer, spec: QuantizerSpec):
         return method.build(MethodJob(modules, spec, seed=cfg.seed))
     cal = cfg.method.calibration
     sequences, n_calibration = calibration_sequences(cfg, paths, tokenizer)
-    expected = artifact_metadata(cfg, model, spec, _tensor_sha(sequences))
+    expected = artifact_metadata(cfg, paths, model, spec, _tensor_sha(sequences))
     if cfg.method.artifact:  # given by the user: always loaded, never overwritten
         path = paths.resolve(cfg.method.artifact)
         if not path.is_file():

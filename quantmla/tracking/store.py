@@ -35,6 +35,32 @@ TRACKED_PACKAGES = (
 )
 
 
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
+WHOLE_FILE_BYTES = 64 << 20  # files up to this size are hashed whole
+BLOCK, BLOCKS = 64 << 10, 256  # larger ones: their size and 256 evenly spaced 64 KiB blocks
+
+
+def weights_fingerprint(folder: str | os.PathLike) -> str | None:
+    """A short digest of a local checkpoint's weight files (None for a hub id), so that a record or
+    a calibration artifact made on one set of weights is never reused for retrained ones under the
+    same path. Cheap at any size: a 30 GB checkpoint reads 16 MiB per file."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    h = hashlib.sha256()
+    for file in sorted({f for pattern in WEIGHT_FILES for f in folder.glob(pattern)}):
+        size = file.stat().st_size
+        h.update(f"{file.name}:{size};".encode())
+        with file.open("rb") as f:
+            if size <= WHOLE_FILE_BYTES:
+                h.update(f.read())
+                continue
+            for i in range(BLOCKS):
+                f.seek((size - BLOCK) * i // (BLOCKS - 1))
+                h.update(f.read(BLOCK))
+    return h.hexdigest()[:16]
+
+
 def result_relevant(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """The config without NON_RESULT_KEYS, at any depth."""
     kept = {}
