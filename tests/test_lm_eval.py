@@ -292,7 +292,7 @@ def test_niah_samples_are_deterministic_sized_and_hold_one_needle(variant, token
         assert samples == niah.generate(variant, length, tokenizer, DATA_DIR, 4, seed=7)
         assert samples != niah.generate(variant, length, tokenizer, DATA_DIR, 4, seed=8)
         for s in samples:
-            tokens = len(tokenizer(s["input"]).input_ids) + 128
+            tokens = len(tokenizer(niah.prompt_text(s)).input_ids) + 128
             assert s["length"] == tokens and 0.98 * length <= tokens <= length
             assert s["input"].count(s["needle"]) == 1
             assert s["input"].count(s["outputs"][0]) == 1

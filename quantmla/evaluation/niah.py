@@ -103,8 +103,13 @@ def make_sample(variant: str, n_words: int, rng: random.Random, data_dir) -> dic
     }
 
 
+def prompt_text(sample: dict) -> str:
+    """What the model reads: lm-eval joins the input and the answer prefix with one space."""
+    return sample["input"] + " " + sample["gen_prefix"]
+
+
 def _length(tokenizer, sample: dict) -> int:
-    return len(tokenizer(sample["input"]).input_ids)
+    return len(tokenizer(prompt_text(sample)).input_ids)
 
 
 def fit_words(variant, budget, tokenizer, data_dir, seed) -> int:
@@ -134,8 +139,9 @@ def generate(
     seed: int = 42,
     tokens_to_generate: int = 128,
 ) -> list[dict]:
-    """`num_samples` samples whose prompt + `tokens_to_generate` is ≤ `max_seq_length`, each with
-    the haystack grown to the word to fill it."""
+    """`num_samples` samples whose prompt (input and answer prefix) + `tokens_to_generate` is
+    ≤ `max_seq_length`, each with the haystack grown to the word to fill it (so lm-eval, given
+    max_length = the largest length, never truncates a prompt)."""
     budget = max_seq_length - tokens_to_generate
     n_ref = fit_words(variant, budget, tokenizer, data_dir, seed)
     samples = []
