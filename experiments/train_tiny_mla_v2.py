@@ -455,7 +455,11 @@ def train(cfg: TrainV2Config) -> dict:
         progress["minutes"] = spent_before + (time.time() - stretch_start) / 60
         row = {}
         if step % cfg.log_every == 0:
-            row = {"text_loss": f"{text.item():.4f}", "answer_loss": f"{answer.item():.4f}"}
+            present = set(kinds[:, 1:].unique().tolist())  # a batch may lack text or answers
+            row = {
+                name: f"{value.item():.4f}" if kind in present else ""
+                for name, value, kind in (("text_loss", text, 1), ("answer_loss", answer, 2))
+            }
         if step % cfg.eval_every == 0 or step == end:
             model.eval()
             row["heldout_loss"] = f"{heldout_loss(model, data):.4f}"
