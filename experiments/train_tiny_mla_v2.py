@@ -187,11 +187,11 @@ class TrainingData:
                 questions = rng.randint(1, distractors + 1)
                 # later stages' draws only where they are on: earlier stages' batches stay as trained
                 restate = stage.restate_share > 0 and rng.random() < stage.restate_share
-                uuid = stage.uuid_share > 0 and rng.random() < stage.uuid_share
+                uuid_value = stage.uuid_share > 0 and rng.random() < stage.uuid_share
                 s = sampler.sample(
                     stage.seq_len,
                     rng,
-                    style="uuid" if uuid else None,
+                    style="uuid" if uuid_value else None,
                     distractors=distractors,
                     questions=questions,
                     restate=restate,
