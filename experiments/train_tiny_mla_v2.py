@@ -31,7 +31,12 @@ from omegaconf import OmegaConf
 
 from experiments.train_tiny_mla import TinyModelConfig, training_documents
 from quantmla.data import document_stream
-from quantmla.data.retrieval import RetrievalSampler, heldout_phrasing
+from quantmla.data.retrieval import (
+    RetrievalSampler,
+    heldout_phrasing,
+    training_phrasing,
+    varied_phrasing,
+)
 from quantmla.evaluation.retrieval import accuracy
 
 
@@ -51,6 +56,7 @@ class Stage:
     copy_share: float = 0.0  # rows of C4-train text ending in a repeat of one of their spans
     restate_share: float = 0.0  # retrieval rows answered after a restated lead (sampler `restate`)
     uuid_share: float = 0.0  # retrieval rows with UUID values (else number / word / hex)
+    varied_share: float = 0.0  # retrieval rows phrased with arbitrary glue words (varied_phrasing)
     lr: float | None = None  # a constant lr for this stage (None: the cosine schedule)
 
 
@@ -124,7 +130,7 @@ def validate(cfg: TrainV2Config) -> None:
         if s.lr is not None and not 0.0 < s.lr <= 1.0:
             raise ValueError(f"stages[{i}].lr={s.lr}: allowed (0, 1] or null (the cosine schedule)")
         for name in ("retrieval_share", "distractor_share", "copy_share", "restate_share",
-                     "uuid_share"):  # fmt: skip
+                     "uuid_share", "varied_share"):  # fmt: skip
             if not 0.0 <= getattr(s, name) <= 1.0:
                 raise ValueError(f"stages[{i}].{name}={getattr(s, name)}: allowed [0, 1]")
         if s.retrieval_share + s.copy_share > 1.0:
@@ -188,9 +194,11 @@ class TrainingData:
                 # later stages' draws only where they are on: earlier stages' batches stay as trained
                 restate = stage.restate_share > 0 and rng.random() < stage.restate_share
                 uuid_value = stage.uuid_share > 0 and rng.random() < stage.uuid_share
+                varied = stage.varied_share > 0 and rng.random() < stage.varied_share
                 s = sampler.sample(
                     stage.seq_len,
                     rng,
+                    varied_phrasing if varied else training_phrasing,
                     style="uuid" if uuid_value else None,
                     distractors=distractors,
                     questions=questions,
@@ -336,7 +344,8 @@ def check_resume(saved: dict, cfg: TrainV2Config, step: int) -> None:
     def shape(c, s):
         stage = stage_at(c, s)[1]
         return (stage.seq_len, stage.batch_size, stage.retrieval_share, stage.distractor_share,
-                stage.copy_share, stage.restate_share, stage.uuid_share, stage.lr)  # fmt: skip
+                stage.copy_share, stage.restate_share, stage.uuid_share, stage.varied_share,
+                stage.lr)  # fmt: skip
 
     for s in range(step):
         if shape(before, s) != shape(cfg, s):

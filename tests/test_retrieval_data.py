@@ -17,6 +17,7 @@ from quantmla.data.retrieval import (
     random_key,
     random_value,
     training_phrasing,
+    varied_phrasing,
 )
 from tests.conftest import DATA_DIR, TINY_MLA
 
@@ -115,13 +116,19 @@ def test_heldout_phrasings_share_no_content_word_with_training_phrasings():
     rng = random.Random(0)
     seen = set()
     for _ in range(10_000):
-        p = training_phrasing(rng)
-        seen |= set(re.findall(r"[a-z]+", (p.needle + " " + p.question).lower()))
+        for p in (training_phrasing(rng), varied_phrasing(rng)):
+            seen |= set(re.findall(r"[a-z]+", (p.needle + " " + p.question).lower()))
     assert not seen & HELDOUT_WORDS
     for p in HELDOUT:
         words = set(re.findall(r"[a-z]+", (p.needle + " " + p.question).lower()))
         assert len(words & HELDOUT_WORDS) >= 2
     assert len({training_phrasing(rng) for _ in range(2000)}) > 1500  # not a handful of templates
+    assert len({varied_phrasing(rng) for _ in range(2000)}) == 2000
+    for _ in range(200):  # the key finds the value: it is in the needle and in the question
+        p = varied_phrasing(rng)
+        assert (
+            p.needle.count("{key}") == p.needle.count("{value}") == p.question.count("{key}") == 1
+        )
     assert heldout_phrasing(random.Random(1)) in HELDOUT
     assert not any(w in HELDOUT_WORDS for w in random_key(random.Random(2)).split("-"))
 

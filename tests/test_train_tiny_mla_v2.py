@@ -19,6 +19,7 @@ from experiments.train_tiny_mla_v2 import (
     train,
     validate,
 )
+from quantmla.data.retrieval import varied_phrasing
 from tests.conftest import DATA_DIR, TINY_MLA
 
 pytestmark = pytest.mark.skipif(not DATA_DIR.is_dir(), reason="needs the shared data")
@@ -131,6 +132,26 @@ def test_restate_and_uuid_stages_change_the_prompts_not_the_targets(data, tokeni
                 assert re.fullmatch(r"[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}", value), value
 
 
+def test_varied_share_phrases_that_share_of_retrieval_rows_with_glue_words(data, monkeypatch):
+    import copy
+
+    import experiments.train_tiny_mla_v2 as trainer
+
+    calls = []
+
+    def spy(rng):
+        calls.append(1)
+        return varied_phrasing(rng)
+
+    monkeypatch.setattr(trainer, "varied_phrasing", spy)
+    later = copy.copy(data)
+    for share, expected in ((1.0, 8), (0.0, 0)):
+        calls.clear()
+        later.cfg = replace(data.cfg, stages=[Stage(1, 512, 8, 1.0, varied_share=share)])
+        later.batch(0)
+        assert len(calls) == expected
+
+
 def test_copy_rows_repeat_an_earlier_span_as_the_answer(data):
     import random
 
@@ -191,6 +212,10 @@ def test_resume_equals_an_uninterrupted_run_and_follows_the_rules(tmp_path):
         check_resume(
             saved, micro_config(resumed, stages=[Stage(3, 256, 2, 0.5, restate_share=0.5)]), 3
         )
+    with pytest.raises(ValueError, match="stages change step 0"):
+        check_resume(
+            saved, micro_config(resumed, stages=[Stage(3, 256, 2, 0.5, varied_share=0.5)]), 3
+        )
     with pytest.raises(ValueError, match="lr changed"):
         check_resume(saved, micro_config(resumed, stages=[Stage(3, 256, 2, 0.5)], lr=5e-4), 3)
 
@@ -205,6 +230,7 @@ def test_resume_equals_an_uninterrupted_run_and_follows_the_rules(tmp_path):
         (dict(stages=[Stage(5, 256, 1, 0.8, copy_share=0.3)]), "retrieval_share \\+ copy_share"),
         (dict(stages=[Stage(5, 256, 1, 0.5, restate_share=2.0)]), "restate_share"),
         (dict(stages=[Stage(5, 256, 1, 0.5, uuid_share=-0.1)]), "uuid_share"),
+        (dict(stages=[Stage(5, 256, 1, 0.5, varied_share=1.5)]), "varied_share"),
         (dict(stages=[Stage(5, 256, 1, 0.5, lr=0.0)]), r"stages\[0\].lr"),
         (dict(filler_share=2.0), "filler_share"),
         (dict(schedule_steps=3), "schedule_steps"),

@@ -174,6 +174,51 @@ def training_phrasing(rng: random.Random) -> Phrasing:
     return Phrasing(needle, rng.choice(QUESTION_FRAMES).replace("{noun}", middle), middle)
 
 
+# Glue words of varied phrasings (none of them held out: tested).
+FUNCTION_WORDS = (
+    "the", "a", "an", "to", "of", "at", "in", "on", "by", "for", "with", "from", "into", "as", "is",
+    "was", "are", "be", "been", "has", "had", "have", "will", "can", "may", "then", "now", "also",
+    "still", "just", "that", "this", "its", "their", "our", "and", "or", "but", "so", "very",
+    "here", "there", "again", "always", "once", "today", "after", "before", "over", "near",
+)  # fmt: skip
+ASKS = ("what", "which", "tell me", "give me", "say", "name", "recall", "what is", "what was",
+        "remind me", "do you know", "find")  # fmt: skip
+
+
+@cache
+def _verbs() -> tuple[str, ...]:
+    from wonderwords.random_word import _get_words_from_text_file as words
+
+    return tuple(
+        sorted(
+            w
+            for w in words("verblist.txt")
+            if w.isalpha() and w.islower() and 3 <= len(w) <= 9 and w not in HELDOUT_WORDS
+        )
+    )
+
+
+def varied_phrasing(rng: random.Random) -> Phrasing:
+    """A needle of arbitrary glue: `<0-4 words> {key} <1-5 words> {value}.` (a fifth value first),
+    asked `<ask> {key} [<the needle's relation words>]?`: the key, not the template, finds the
+    value (the held-out phrasings are of this shape, with words never drawn here)."""
+    _, nouns = _word_pool()
+
+    def words(n: int) -> str:
+        pools = (FUNCTION_WORDS, FUNCTION_WORDS, _verbs(), nouns)
+        return " ".join(rng.choice(rng.choice(pools)) for _ in range(n))
+
+    intro = words(rng.randint(0, 4))
+    relation = words(rng.randint(1, 5))
+    if rng.random() < 0.8:
+        needle = f"{intro} {{key}} {relation} {{value}}."
+    else:
+        needle = f"{intro} {{value}} {relation} {{key}}."
+    tail = f" {relation}" if rng.random() < 0.5 else ""
+    question = f"{rng.choice(ASKS)} {words(rng.randint(0, 2))} {{key}}{tail}{rng.choice('?.')}"
+    return Phrasing(" ".join(needle.split()), " ".join(question.split()))
+
+
 def heldout_phrasing(rng: random.Random) -> Phrasing:
     return rng.choice(HELDOUT)
 
