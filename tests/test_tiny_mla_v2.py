@@ -107,3 +107,25 @@ def test_bad_retrieval_config_names_the_field(override, field, tmp_path):
 
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         validate(run_config(*job(tmp_path, override)))
+
+
+def test_answer_token_diagnosis_agrees_with_greedy_generation():
+    """A document whose every answer token is the teacher-forced argmax is a greedy hit (the greedy
+    path is the teacher path); position 0 counts first-token argmax hits (recomputed here)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantmla.evaluation.retrieval import accuracy, answer_token_hits, documents, sampler_for
+
+    tok = AutoTokenizer.from_pretrained(V2)
+    model = AutoModelForCausalLM.from_pretrained(V2, dtype=torch.float32).eval()
+    docs = documents(sampler_for("noise", tok, DATA_DIR), 256, 6, seed=3)
+    hits, totals, whole = answer_token_hits(model, docs)
+    assert totals[0] == 6 and totals == sorted(totals, reverse=True)
+    with torch.no_grad():
+        first = sum(
+            int(model(input_ids=torch.tensor([d.ids[: d.prompt_len]])).logits[0, -1].argmax())
+            == d.ids[d.prompt_len]
+            for d in docs
+        )
+    assert hits[0] == first
+    assert whole <= round(accuracy(model, tok, docs, max_new_tokens=12) * 6)

@@ -54,6 +54,30 @@ def accuracy(model, tokenizer, docs: list, max_new_tokens: int, desc: str = "ret
     return hits / len(docs)
 
 
+@torch.no_grad()
+def answer_token_hits(model, docs: list) -> tuple[list[int], list[int], int]:
+    """Teacher-forced diagnosis: (hits, totals) per answer position (value tokens, then EOS) and
+    the documents whose every answer token is the argmax. A miss at position 0 is a lookup that
+    found nothing; later misses are copy errors. Every document counted in the last number is a
+    greedy hit too (the greedy path is the teacher path)."""
+    device = next(model.parameters()).device
+    hits: list[int] = []
+    totals: list[int] = []
+    whole = 0
+    for doc in docs:
+        ids = torch.tensor([doc.ids], device=device)
+        guess = model(input_ids=ids).logits[0, doc.prompt_len - 1 : -1].argmax(-1).tolist()
+        right = [g == t for g, t in zip(guess, doc.ids[doc.prompt_len :])]
+        for position, ok in enumerate(right):
+            if position == len(hits):
+                hits.append(0)
+                totals.append(0)
+            hits[position] += ok
+            totals[position] += 1
+        whole += all(right)
+    return hits, totals, whole
+
+
 def check_config(ev, max_positions: int | None) -> None:
     """One line naming the field before anything loads."""
     from quantmla.errors import ConfigError
