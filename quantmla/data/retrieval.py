@@ -4,7 +4,8 @@ A document is a haystack — C4 *training-slice* text or our own filler sentence
 the Paul Graham essays (RULER's haystack) or an evaluation split — with a key–value needle at a
 sentence boundary (sometimes beside distractor needles of other keys), then
 `\\nQuestion: <question>\\nAnswer:` and the value. Training phrasings are procedural (frames ×
-nouns × intros, and free-form `{key} <random words> {value}.` needles); the evaluation asks with
+nouns × intros, free-form `{key} <random words> {value}.` needles, and `varied_phrasing`'s
+arbitrary glue words around the key); the evaluation asks with
 `HELDOUT` phrasings whose content words never occur in a training phrasing, so a model that
 retrieves under them has learned retrieval, not templates. Documents are built in token space,
 sized exactly; everything is a function of the `random.Random` passed in (deterministic per seed)."""
