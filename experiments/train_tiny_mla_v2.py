@@ -20,7 +20,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import hydra
@@ -129,8 +129,7 @@ def validate(cfg: TrainV2Config) -> None:
             raise ValueError(f"stages[{i}]: steps and batch_size must be >= 1, got {s}")
         if s.lr is not None and not 0.0 < s.lr <= 1.0:
             raise ValueError(f"stages[{i}].lr={s.lr}: allowed (0, 1] or null (the cosine schedule)")
-        for name in ("retrieval_share", "distractor_share", "copy_share", "restate_share",
-                     "uuid_share", "varied_share"):  # fmt: skip
+        for name in (f.name for f in fields(Stage) if f.name.endswith("_share")):
             if not 0.0 <= getattr(s, name) <= 1.0:
                 raise ValueError(f"stages[{i}].{name}={getattr(s, name)}: allowed [0, 1]")
         if s.retrieval_share + s.copy_share > 1.0:
@@ -341,11 +340,8 @@ def check_resume(saved: dict, cfg: TrainV2Config, step: int) -> None:
             )
     before = TrainV2Config(stages=[Stage(**s) for s in saved["stages"]])
 
-    def shape(c, s):
-        stage = stage_at(c, s)[1]
-        return (stage.seq_len, stage.batch_size, stage.retrieval_share, stage.distractor_share,
-                stage.copy_share, stage.restate_share, stage.uuid_share, stage.varied_share,
-                stage.lr)  # fmt: skip
+    def shape(c, s):  # what a step trains on: every stage field but its length
+        return {k: v for k, v in asdict(stage_at(c, s)[1]).items() if k != "steps"}
 
     for s in range(step):
         if shape(before, s) != shape(cfg, s):

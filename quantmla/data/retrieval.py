@@ -123,20 +123,22 @@ HELDOUT_WORDS = frozenset(
 
 
 @cache
-def _word_pool() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(adjectives, nouns) from wonderwords' lists, short alphabetic words, held-out words removed."""
+def _wordlist(name: str, longest: int) -> tuple[str, ...]:
+    """A wonderwords list: lowercase alphabetic words of 3..`longest` letters, held-out words out."""
     from wonderwords.random_word import _get_words_from_text_file as words
 
-    def clean(name: str) -> tuple[str, ...]:
-        return tuple(
-            sorted(
-                w
-                for w in words(name)
-                if w.isalpha() and w.islower() and 3 <= len(w) <= 8 and w not in HELDOUT_WORDS
-            )
+    return tuple(
+        sorted(
+            w
+            for w in words(name)
+            if w.isalpha() and w.islower() and 3 <= len(w) <= longest and w not in HELDOUT_WORDS
         )
+    )
 
-    return clean("adjectivelist.txt"), clean("nounlist.txt")
+
+def _word_pool() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(adjectives, nouns): the words of keys and of free-form needles."""
+    return _wordlist("adjectivelist.txt", 8), _wordlist("nounlist.txt", 8)
 
 
 def random_key(rng: random.Random) -> str:
@@ -186,19 +188,6 @@ ASKS = ("what", "which", "tell me", "give me", "say", "name", "recall", "what is
         "remind me", "do you know", "find")  # fmt: skip
 
 
-@cache
-def _verbs() -> tuple[str, ...]:
-    from wonderwords.random_word import _get_words_from_text_file as words
-
-    return tuple(
-        sorted(
-            w
-            for w in words("verblist.txt")
-            if w.isalpha() and w.islower() and 3 <= len(w) <= 9 and w not in HELDOUT_WORDS
-        )
-    )
-
-
 def varied_phrasing(rng: random.Random) -> Phrasing:
     """A needle of arbitrary glue: `<0-4 words> {key} <1-5 words> {value}.` (a fifth value first),
     asked `<ask> {key} [<the needle's relation words>]?`: the key, not the template, finds the
@@ -206,7 +195,7 @@ def varied_phrasing(rng: random.Random) -> Phrasing:
     _, nouns = _word_pool()
 
     def words(n: int) -> str:
-        pools = (FUNCTION_WORDS, FUNCTION_WORDS, _verbs(), nouns)
+        pools = (FUNCTION_WORDS, FUNCTION_WORDS, _wordlist("verblist.txt", 9), nouns)
         return " ".join(rng.choice(rng.choice(pools)) for _ in range(n))
 
     intro = words(rng.randint(0, 4))
