@@ -22,16 +22,12 @@ from pathlib import Path
 
 import yaml
 
-from analysis.tables import default_results_dir
+from analysis import probes, sensitivity
+from analysis.common import default_results_dir, output_name, pyplot, save
 from quantmla.tracking.store import load_records
 
 PAPER = Path(__file__).with_name("paper_numbers.yaml")
 STYLES = {"bf16": "k-", "c4r16": "C2--", "c4r4": "C0-o", "c2r4": "C3-s"}
-# Fixed metadata: matplotlib otherwise stamps the creation date (PDF) and its version (both).
-DETERMINISTIC = {
-    "pdf": {"CreationDate": None, "Producer": None, "Creator": None},
-    "png": {"Software": None},
-}
 
 
 def _series(metrics: dict, prefix: str) -> tuple[list[int], list[float]]:
@@ -40,10 +36,7 @@ def _series(metrics: dict, prefix: str) -> tuple[list[int], list[float]]:
 
 
 def fig5a(records: list[dict], out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     paper = yaml.safe_load(PAPER.read_text())["fig5a_memory"]["c4r4"]
     models = sorted({r["config"]["model"]["name"] for r in records})
@@ -95,10 +88,7 @@ def fig5a(records: list[dict], out: Path) -> list[Path]:
 def fig4(records: list[dict], out: Path, stem: str) -> list[Path]:
     """RULER S-NIAH-1/2/3: accuracy vs context length, one line per precision × method, each
     labelled with its average (and the paper's, where it states one)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from quantmla.methods.registry import METHODS
 
@@ -150,10 +140,7 @@ def fig4(records: list[dict], out: Path, stem: str) -> list[Path]:
 def fig5b(records: list[dict], out: Path, stem: str) -> list[Path]:
     """Decode latency relative to the BF16 kernel vs context, per model (h_q) and batch, with the
     paper's −7.42 %…+4.29 % band for C4R4."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     band = yaml.safe_load(PAPER.read_text())["fig5b_latency"]["c4r4"]
     panels = [
@@ -199,26 +186,6 @@ def fig5b(records: list[dict], out: Path, stem: str) -> list[Path]:
     return save(fig, out, stem)
 
 
-def save(fig, out: Path, stem: str) -> list[Path]:
-    """PNG + PDF without timestamps or version stamps (byte-identical when nothing changed)."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"{stem}.png", out / f"{stem}.pdf"]
-    for p in paths:
-        fig.savefig(p, dpi=150, metadata=DETERMINISTIC[p.suffix[1:]])
-    plt.close(fig)
-    return paths
-
-
-def output_name(name: str, experiment: str, default: str) -> str:
-    """`name` for the paper's experiment; its twin's name otherwise (tiny_fig2_sensitivity → tiny_fig6_…)."""
-    if experiment == default:
-        return name
-    return experiment.replace(default, name) if default in experiment else f"{experiment}_{name}"
-
-
 def _named(draw, name):
     """A study figure whose file name carries the experiment when it is not the paper's."""
 
@@ -233,8 +200,6 @@ def _fig5a(records, out, experiment, default):
 
 
 def _figures():
-    from analysis import probes, sensitivity
-
     return {
         "fig2": (_named(sensitivity.fig2, "fig2_sensitivity"), "fig2_sensitivity"),
         "fig4": (_named(fig4, "fig4_ruler"), "fig4_ruler"),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.sensitivity import MODEL_ORDER, _cell, _plt, _save
+from analysis.common import MODEL_ORDER, cell, pyplot, save
 
 PREDICTORS = ("full", "trace-only", "cache-error-only")
 
@@ -42,7 +42,7 @@ def _records(records):
         if r["config"]["model"]["name"] in MODEL_ORDER
         else 0,
         r["config"]["model"]["name"],
-        _cell(r),
+        cell(r),
     )
     return sorted(rows, key=key)
 
@@ -55,7 +55,7 @@ def points(records: list[dict]) -> list[Point]:
             out.append(
                 Point(
                     r["config"]["model"]["name"],
-                    _cell(r),
+                    cell(r),
                     layer,
                     float(np.log(m["probes/G_rope"][i] / m["probes/G_content"][i])),
                     float(np.log(m["probes/T_rope"][i] / m["probes/T_content"][i])),
@@ -221,7 +221,7 @@ def table6_rows(records: list[dict], paper: dict | None = None) -> list[list[str
 def fig7(records: list[dict], out: Path, stem: str) -> list:
     """(a) predicted vs observed log(G_P/G_C), fit and evaluation points; (b) intervention gain
     ratios; (c) JVP vs finite-perturbation gains."""
-    plt = _plt()
+    plt = pyplot()
     res = predictions(records)
     pts = points(records)
     fit, held, _ = split(pts)
@@ -262,4 +262,4 @@ def fig7(records: list[dict], out: Path, stem: str) -> list:
     for ax in (a, b, c):
         ax.grid(alpha=0.3)
     fig.suptitle("Fig. 7 — operator analysis at cache NMSE 1e-3")
-    return _save(fig, out, stem)
+    return save(fig, out, stem)

@@ -12,14 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-MODEL_ORDER = (
-    "deepseek_v2_lite",
-    "deepseek_v3_base",
-    "deepseek_r1",
-    "kimi_k2_instruct",
-    "longcat_flash_lite",
-    "glm_4_7_flash",
-)
+from analysis.common import MODEL_ORDER, cell, pyplot, save
 
 
 @dataclass
@@ -47,11 +40,6 @@ class ModelSensitivity:
         return float(self.mean_rope.mean() / self.mean_content.mean())
 
 
-def _cell(record: dict) -> str:
-    c = record["config"]
-    return f"{c['eval']['datasets'][0]}/seed{c['seed']}"
-
-
 def aggregate(records: list[dict]) -> list[ModelSensitivity]:
     """One entry per model (paper order first), cells sorted, only layers every cell has."""
     by_model: dict[str, list[dict]] = {}
@@ -64,7 +52,7 @@ def aggregate(records: list[dict]) -> list[ModelSensitivity]:
     )
     out = []
     for model in order:
-        rows = sorted(by_model[model], key=_cell)
+        rows = sorted(by_model[model], key=cell)
         layers = sorted(set.intersection(*(set(r["metrics"]["sensitivity/layers"]) for r in rows)))
 
         def matrix(key, rows=rows, layers=layers):
@@ -78,7 +66,7 @@ def aggregate(records: list[dict]) -> list[ModelSensitivity]:
             ModelSensitivity(
                 model,
                 layers,
-                [_cell(r) for r in rows],
+                [cell(r) for r in rows],
                 matrix("sensitivity/R_content"),
                 matrix("sensitivity/R_rope"),
             )
@@ -119,19 +107,10 @@ def table4_rows(records: list[dict]) -> list[list[str]]:
     return rows
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def fig2(records: list[dict], out: Path, stem: str) -> list:
     """Per model: R̄_C and R̄_P by layer with min/max cell envelopes; last panel: median r_ℓ
     (diamond) and IQR (whisker) per model, with the model ratio."""
-    plt = _plt()
+    plt = pyplot()
     models = aggregate(records)
     fig, axes = plt.subplots(
         1, len(models) + 1, figsize=(4 * (len(models) + 1), 3.4), squeeze=False
@@ -163,12 +142,12 @@ def fig2(records: list[dict], out: Path, stem: str) -> list:
     summary.set_title("◆ median r_ℓ, bar IQR, ● model ratio", fontsize=9)
     summary.grid(alpha=0.3)
     fig.suptitle("Fig. 2 — path sensitivity at cache NMSE 0.01 (shaded: min–max over cells)", y=1.0)
-    return _save(fig, out, stem)
+    return save(fig, out, stem)
 
 
 def fig6(records: list[dict], out: Path, stem: str) -> list:
     """Every layer's ratio r_ℓ, models side by side (the paper's 285-layer view)."""
-    plt = _plt()
+    plt = pyplot()
     models = aggregate(records)
     fig, ax = plt.subplots(figsize=(max(6, 0.06 * sum(len(m.layers) for m in models) + 4), 3.4))
     start = 0
@@ -183,10 +162,4 @@ def fig6(records: list[dict], out: Path, stem: str) -> list:
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, axis="y")
     fig.suptitle("Fig. 6 — layer-wise RoPE/content sensitivity ratio, all layers")
-    return _save(fig, out, stem)
-
-
-def _save(fig, out: Path, stem: str) -> list:
-    from analysis.figures import save
-
     return save(fig, out, stem)

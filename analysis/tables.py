@@ -18,6 +18,8 @@ from pathlib import Path
 
 import yaml
 
+from analysis import probes, sensitivity
+from analysis.common import default_results_dir, output_name
 from quantmla.methods.registry import METHODS
 from quantmla.tracking.store import load_records
 
@@ -54,7 +56,7 @@ class Layout:
 
 
 def _task_columns(tasks, stderr: bool = False):
-    from quantmla.evaluation.suites import TASKS
+    from quantmla.evaluation.lm_eval.suites import TASKS
 
     return tuple(
         Column(f"acc/{t}", TASKS[t].label, "{:.2f}", True, t, f"acc_stderr/{t}" if stderr else None)
@@ -202,8 +204,6 @@ def to_latex(rows: list[list[str]]) -> str:
 
 def study_tables(paper: dict) -> dict:
     """The analyses' tables: name -> (rows from records, default experiment)."""
-    from analysis import probes, sensitivity
-
     return {
         "table4": (sensitivity.table4_rows, "fig2_sensitivity"),
         "table5": (probes.table5_rows, "table5_probes"),
@@ -215,14 +215,6 @@ def study_tables(paper: dict) -> dict:
 
 
 STUDY_TABLES = ("table4", "table5", "table6")
-
-
-def default_results_dir() -> Path:
-    """The results store of the default `paths` config (`paths.results_dir` under `paths.root`)."""
-    from quantmla.config import PathsConfig
-    from quantmla.paths import Paths
-
-    return Paths.from_config(PathsConfig()).results_dir
 
 
 def main() -> None:
@@ -266,8 +258,6 @@ def main() -> None:
     rows = rows_of(records)
     markdown = to_markdown(rows)
     print(markdown)
-    from analysis.figures import output_name
-
     name = output_name(args.table, experiment, default)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kernels.paged_cache.latency import (  # noqa: E402
+from quantmla.evaluation.latency_harness import (  # noqa: E402
     PRESETS,
     function_check,
     measured_copy_bandwidth,

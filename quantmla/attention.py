@@ -19,6 +19,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from quantmla.quant import qdq_content, qdq_rope
+
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
     """At least float32 for softmax and accumulation (float64 stays float64)."""
@@ -127,3 +129,24 @@ def attention_output(module, adapter, q_nope, q_rot, regions, form: str = "auto"
             q_nope, q_rot, regions, module.kv_b_proj.weight, geometry.d_nope, geometry.scaling
         )
     return module.o_proj(out.transpose(1, 2).reshape(b, n, -1).to(module.o_proj.weight.dtype))
+
+
+def cache_regions(policy, c, k_rot, allowed, q_slots, hats=None):
+    """[(c, k_R, allowed)] per region under a `CachePolicy`: the dequantized history (`hats` when the cache keeps it,
+    else quantized here) and the gathered protected rows."""
+    spec = policy.spec
+    if not spec.quantized:
+        return [(c, k_rot, allowed)]
+    c_hat, k_hat = hats if hats is not None else (qdq_content(spec, c), qdq_rope(spec, k_rot))
+    protected = protected_mask(q_slots, c.shape[1], policy.sink, policy.recent)[None, None]
+    regions = []
+    quant_allowed = allowed & ~protected
+    if quant_allowed.any():
+        regions.append((c_hat, k_hat, quant_allowed))
+    raw_allowed = allowed & protected
+    columns = raw_allowed.flatten(0, 2).any(dim=0).nonzero().squeeze(-1)
+    if columns.numel():
+        if columns.numel() < c.shape[1]:  # gather only the protected rows (decode: sink + recent)
+            c, k_rot, raw_allowed = c[:, columns], k_rot[:, columns], raw_allowed[..., columns]
+        regions.append((c, k_rot, raw_allowed))
+    return regions or [(c_hat, k_hat, allowed)]

@@ -1,16 +1,11 @@
-"""Structured-config schemas of the Hydra app (`conf/`), and validation before any heavy work.
-
-Every field carries a one-line `help` (shown by `python -m quantmla.run --help`). This module
-imports nothing heavy: `--help` and config errors answer in seconds.
+"""Structured-config schemas of the Hydra app (`conf/`): schemas only (validation is
+`quantmla.job`). Every field carries a one-line `help` (shown by `python -m quantmla.run --help`).
+This module imports nothing heavy: `--help` and config errors answer in seconds.
 """
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
-from pathlib import Path
-
-from quantmla.errors import ConfigError, DataNotFoundError, NotImplementedYet
 
 
 def opt(default=MISSING, help: str = "", factory=None):  # noqa: A002
@@ -93,7 +88,9 @@ class PathsConfig:
 
 @dataclass
 class EvalConfig:
-    kind: str = opt("perplexity", "evaluator (see quantmla.evaluation.registry)")
+    kind: str = opt(
+        "perplexity", "evaluator (quantmla.evaluation.registry; each kind reads its own fields)"
+    )
     tasks: list[str] = opt(help="benchmark tasks (lm_eval / ruler kinds)", factory=list)
     context_lengths: list[int] = opt(help="ruler, memory, latency kinds", factory=list)
     datasets: list[str] = opt(help="perplexity datasets", factory=lambda: ["wikitext2", "c4"])
@@ -164,7 +161,8 @@ class RunConfig:
 class GenerateConfig(RunConfig):
     """`python -m quantmla.generate`: a run config plus the prompt."""
 
-    prompt: str = opt("The history of", "text to continue (greedy)")
+    prompt: str = opt("The history of", "text to continue (greedy); any text, quoted for you")
+    prompt_file: str | None = opt(None, "read the prompt from this file instead ('-': stdin)")
     max_new_tokens: int = opt(32, "tokens to generate")
 
 
@@ -192,132 +190,3 @@ def describe(schema=RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
         else:
             rows.append((f"{prefix}{f.name}", repr(default), f.metadata.get("help", "")))
     return rows
-
-
-def check_writable(path: Path, field_name: str) -> None:
-    """Create `path` if needed and prove a file can be written in it (before any heavy work)."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
-            pass
-    except OSError as err:
-        raise ConfigError(
-            field_name, str(path), f"a writable folder ({err.strerror or err})"
-        ) from None
-
-
-def validate(cfg: RunConfig):
-    """Every check that needs no model: one-line errors naming the field, value and what is allowed.
-
-    Returns the run's evaluator and resolved paths. An evaluator that is not implemented yet stops
-    last, so a sweep's every other field is still checked."""
-    from quantmla.evaluation.registry import EVALUATORS
-    from quantmla.methods.registry import METHODS
-    from quantmla.paths import Paths
-    from quantmla.policy import CachePolicy
-
-    policy = CachePolicy.from_config(cfg)
-    method = METHODS.get(cfg.method.name)
-    if method is None:
-        raise ConfigError("method.name", cfg.method.name, tuple(METHODS))
-    if method.calibrated and cfg.method.calibration is None and not cfg.method.artifact:
-        raise ConfigError(
-            "method.calibration", None, "a calibration block (see conf/method/quantmla.yaml)"
-        )
-    if cfg.model.dtype not in DTYPES:
-        raise ConfigError("model.dtype", cfg.model.dtype, DTYPES)
-    evaluator = EVALUATORS.get(cfg.eval.kind)
-    if evaluator is None:
-        raise ConfigError("eval.kind", cfg.eval.kind, tuple(EVALUATORS))
-    if cfg.logger.name not in LOGGERS:
-        raise ConfigError("logger.name", cfg.logger.name, LOGGERS)
-    for name in cfg.eval.datasets:
-        if name not in DATASETS:
-            raise ConfigError("eval.datasets", name, DATASETS)
-    if cfg.eval.max_windows is not None and cfg.eval.max_windows < 1:
-        raise ConfigError("eval.max_windows", cfg.eval.max_windows, "null (all) or >= 1")
-    paths = Paths.from_config(cfg.paths)
-    check_writable(paths.results_dir, "paths.results_dir")
-    if evaluator.needs_data:
-        from quantmla.data.sources import resolve_data_dir
-
-        resolve_data_dir(paths.data_dir)
-    model_config = model_config_without_weights(cfg, paths)
-    if evaluator.kind in ("lm_eval", "ruler"):
-        from quantmla.data.sources import resolve_data_dir
-        from quantmla.evaluation.suites import check_essays, check_lm_eval, data_mode
-
-        data_dir = resolve_data_dir(paths.data_dir)
-        check_lm_eval(cfg.eval, getattr(model_config, "max_position_embeddings", None), data_dir)
-        if policy.backend == "packed" and cfg.eval.batch_size > 1:
-            raise ConfigError(
-                "eval.batch_size",
-                cfg.eval.batch_size,
-                "1 with cache.backend=packed (lm-eval left-pads batched prompts; the packed cache "
-                "has no per-request start offset yet)",
-            )
-        if evaluator.kind == "ruler" and data_mode(cfg.eval, data_dir) == "local":
-            check_essays(paths.data_dir)
-    if evaluator.kind == "retrieval":
-        from quantmla.evaluation.retrieval import check_config
-
-        check_config(cfg.eval, getattr(model_config, "max_position_embeddings", None))
-    if evaluator.kind in ("sensitivity", "probes"):
-        from quantmla.evaluation.layer_study import check_study_config, mla_layer_count
-
-        check_study_config(cfg, mla_layer_count(model_config) if model_config else None)
-    if model_config is not None:
-        policy.check_dims(model_config.kv_lora_rank, model_config.qk_rope_head_dim)
-    elif not evaluator.needs_model:
-        raise ConfigError(
-            "model.config",
-            None,
-            f"a published config.json (eval.kind={evaluator.kind} reads only the config)",
-        )
-    if not evaluator.implemented:
-        raise NotImplementedYet(
-            f"eval.kind={cfg.eval.kind!r} is not implemented yet ({evaluator.description}); "
-            f"implemented: {', '.join(k for k, e in EVALUATORS.items() if e.implemented)}"
-        )
-    if evaluator.needs_model:  # the environment, after every field
-        check_checkpoint_reachable(cfg, paths)
-    return evaluator, paths
-
-
-def check_checkpoint_reachable(cfg: RunConfig, paths) -> None:
-    """A hub id with the hub offline must already be in the local cache: else one line now,
-    not a download error after the data is loaded."""
-    import os
-
-    from quantmla.paths import local_config_json
-
-    if local_config_json(paths.checkpoint(cfg.model.path)) is not None:
-        return
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("1", "true", "yes", "on"):
-        return
-    from huggingface_hub import try_to_load_from_cache
-
-    if not isinstance(try_to_load_from_cache(cfg.model.path, "config.json"), str):
-        raise DataNotFoundError(
-            f"model.path={cfg.model.path!r} is a hub id, the hub is offline (HF_HUB_OFFLINE) and it is "
-            "not in the local cache; set model.path=<checkpoint folder> (e.g. in conf/local/default.yaml)"
-        )
-
-
-def model_config_without_weights(cfg: RunConfig, paths):
-    """The model's published config fields (attribute access, no transformers import) from its local
-    checkpoint's config.json, else from `model.config`, else None (a hub id: checked when it loads).
-    A local path without config.json stops here."""
-    import json
-    from types import SimpleNamespace
-
-    from quantmla.paths import local_config_json
-
-    found = local_config_json(paths.checkpoint(cfg.model.path))
-    if found is None and cfg.model.config:
-        found = paths.resolve(cfg.model.config)
-        if not found.is_file():
-            raise DataNotFoundError(
-                f"model.config={cfg.model.config!r}: no file at {found}; point it at a config.json or set it to null"
-            )
-    return SimpleNamespace(**json.loads(found.read_text())) if found is not None else None

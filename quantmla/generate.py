@@ -2,17 +2,20 @@
 
 Prepares the model as every job does (method, fusion, equivalence check), continues the prompt
 greedily through the chosen cache, and prints the continuation, tokens/s and the cache bytes held
-(measured from tensor storage) beside the BF16 latent cache of the same tokens."""
+(measured from tensor storage) beside the BF16 latent cache of the same tokens. Any prompt text
+works as `prompt=...` (it is quoted for Hydra here), or `prompt_file=PATH` (`-`: standard input).
+"""
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 
 
 def cache_bytes(cache) -> int:
     """Bytes a transformers cache holds: the packed pools, or every tensor of the other layers."""
-    from kernels.paged_cache.cache_layer import PackedLatentLayer, packed_bytes
+    from quantmla.cache.packed import PackedLatentLayer, packed_bytes
 
     total = packed_bytes(cache)
     for layer in cache.layers:
@@ -23,21 +26,56 @@ def cache_bytes(cache) -> int:
     return total
 
 
+def read_prompt(cfg) -> str:
+    """The prompt text (`prompt_file` wins: a path, or `-` for standard input); one line if empty."""
+    from quantmla.errors import ConfigError
+
+    if cfg.prompt_file:
+        field = "prompt_file"
+        if cfg.prompt_file == "-":
+            text = sys.stdin.read()
+        else:
+            try:
+                text = open(cfg.prompt_file, encoding="utf-8").read()  # noqa: SIM115
+            except OSError as err:
+                raise ConfigError(
+                    field, cfg.prompt_file, f"a readable text file ({err.strerror})"
+                ) from None
+    else:
+        field, text = "prompt", cfg.prompt
+    if not text.strip():
+        raise ConfigError(field, text, "some text to continue")
+    return text
+
+
+def size_line(held: int, bf16: int) -> str:
+    """How the cache held compares with the BF16 latent cache of the same tokens (never inverted)."""
+    if held <= bf16:
+        return f"{bf16 / held:.2f}x smaller than BF16"
+    return (
+        f"{held / bf16:.2f}x the BF16 bytes: the fixed protection buffers dominate short contexts"
+    )
+
+
 def generate(cfg) -> dict:
+    from quantmla.errors import ConfigError
+
+    if cfg.max_new_tokens < 1:
+        raise ConfigError("max_new_tokens", cfg.max_new_tokens, ">= 1")
+    prompt = read_prompt(cfg)
+    from quantmla.job import resolve
+
+    job = resolve(cfg)
     import torch
     from transformers import DynamicCache
 
-    from quantmla.config import validate
     from quantmla.prepare import prepare
 
-    _, paths = validate(cfg)
-    if cfg.max_new_tokens < 1:
-        from quantmla.errors import ConfigError
-
-        raise ConfigError("max_new_tokens", cfg.max_new_tokens, ">= 1")
-    prepared = prepare(cfg, paths)
+    prepared = prepare(job)
     model, tokenizer = prepared.model, prepared.tokenizer
-    ids = tokenizer(cfg.prompt, return_tensors="pt").input_ids.to(next(model.parameters()).device)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(next(model.parameters()).device)
+    if ids.shape[1] == 0:
+        raise ConfigError("prompt", prompt, "text the tokenizer turns into at least one token")
     cache = DynamicCache(config=model.config)
     started = time.perf_counter()
     with torch.no_grad():
@@ -56,8 +94,7 @@ def generate(cfg) -> dict:
     )
     print(
         f"[quantmla] cache bytes held for {tokens} tokens × {len(prepared.modules)} layers: "
-        f"{held:,} (BF16 latent cache of the same tokens: {bf16:,}; ratio {bf16 / held:.2f}x; "
-        "the fixed protection buffers dominate short contexts)"
+        f"{held:,} (BF16 latent cache of the same tokens: {bf16:,}; {size_line(held, bf16)})"
     )
     return {
         "text": tokenizer.decode(new),
@@ -67,10 +104,28 @@ def generate(cfg) -> dict:
     }
 
 
-def main() -> None:
-    from quantmla.run import hydra_app, route_precision
+_PROMPT_ARG = re.compile(r"(prompt=)(.*)", re.DOTALL)
 
-    sys.argv[1:] = route_precision(sys.argv[1:])
+
+def quote_prompt(argv: list[str]) -> list[str]:
+    """`prompt=<any text>` → Hydra's quoted form, so commas, accents and quotes need no escaping;
+    a value already quoted by the user is left alone."""
+    out = []
+    for arg in argv:
+        match = _PROMPT_ARG.fullmatch(arg)
+        if match and not (
+            len(match[2]) >= 2 and match[2][0] == match[2][-1] and match[2][0] in "'\""
+        ):
+            escaped = re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + ("\\'" if m[2] else ""), match[2])
+            arg = f"prompt='{escaped}'"
+        out.append(arg)
+    return out
+
+
+def main() -> None:
+    from quantmla.cli import hydra_app, route_precision
+
+    sys.argv[1:] = quote_prompt(route_precision(sys.argv[1:]))
     try:
         hydra_app("generate", generate)
     except KeyboardInterrupt:

@@ -38,6 +38,7 @@ class CacheLayout:
     d_r: int = 64
     sink: int = 4
     recent: int = 128
+    page_tokens: int = PAGE_TOKENS  # tokens per page: the kernels read it from here
 
     @property
     def quantized(self) -> bool:
@@ -67,13 +68,13 @@ class CacheLayout:
         )
 
     def page_bytes(self) -> int:
-        return PAGE_TOKENS * self.token_bytes()
+        return self.page_tokens * self.token_bytes()
 
     def sections(self) -> dict[str, tuple[int, int]]:
         """Where each array lives inside a page: name -> (byte offset, bytes), structure of arrays
         (all 64 tokens' content codes, then RoPE codes, then each metadata array), so a kernel
         loads each kind contiguously. The sections tile the page exactly (the tail is padding)."""
-        s, t = self.spec, PAGE_TOKENS
+        s, t = self.spec, self.page_tokens
         arrays = [
             ("content_codes", t * self._codes(self.d_c, s.content_bits)),
             ("rope_codes", t * self._codes(self.d_r, s.rope_bits)),
@@ -100,7 +101,7 @@ class CacheLayout:
 
     def persistent_bytes(self, tokens: int) -> int:
         """Per layer and request: pages (+ their reverse-map entries when packed) + BF16 protection buffer."""
-        pages = math.ceil(tokens / PAGE_TOKENS)
+        pages = math.ceil(tokens / self.page_tokens)
         per_page = self.page_bytes() + (PAGE_MAP_BYTES if self.quantized else 0)
         return pages * per_page + self.protection_bytes()
 

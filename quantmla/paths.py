@@ -6,9 +6,12 @@ directory."""
 
 from __future__ import annotations
 
+import functools
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 from quantmla.errors import DataNotFoundError
 
@@ -68,3 +71,21 @@ def local_config_json(path_or_id: str) -> Path | None:
             f"model.path={path_or_id!r}: no config.json there; set model.path to a checkpoint folder or a hub id"
         )
     return local / "config.json"
+
+
+OFFLINE_FLAGS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+@functools.cache
+def hub_offline(timeout_s: float = 3.0) -> bool:
+    """Whether the Hugging Face hub cannot be used: an offline flag is set, or its endpoint does not
+    answer a TCP connection within `timeout_s` (no flag needed on a machine without network)."""
+    if any(os.environ.get(k, "").lower() in ("1", "true", "yes", "on") for k in OFFLINE_FLAGS):
+        return True
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=timeout_s).close()
+    except OSError:
+        return True
+    return False

@@ -38,10 +38,6 @@ class Prepared:
             set_policy(self.model, precision=self.policy.precision)
 
 
-def run_policy(cfg) -> CachePolicy:
-    return CachePolicy.from_config(cfg)
-
-
 def equivalence_sequences(cfg, paths, tokenizer, n: int = 2):
     """The first `n` WikiText-2 valid windows: the fusion-equivalence probe's inputs."""
     from quantmla.data import load_text, perplexity_windows, tokenize
@@ -50,12 +46,12 @@ def equivalence_sequences(cfg, paths, tokenizer, n: int = 2):
     return perplexity_windows(ids, cfg.model.eval_seqlen, n)
 
 
-def prepare(cfg, paths, load_model: bool = True) -> Prepared:
-    from quantmla.config import model_config_without_weights
-
-    policy = run_policy(cfg)
-    if not load_model:
-        return Prepared(model_config_without_weights(cfg, paths), policy, paths)
+def prepare(job) -> Prepared:
+    """The model of a resolved job (`quantmla.job.Job`), ready for its evaluator; only the published
+    config for analytic evaluators."""
+    cfg, paths, policy = job.cfg, job.paths, job.policy
+    if not job.evaluator.needs_model:
+        return Prepared(job.model_config, policy, paths)
 
     from quantmla.methods.base import apply_method
     from quantmla.methods.equivalence import EquivalenceProbe
@@ -76,7 +72,7 @@ def prepare(cfg, paths, load_model: bool = True) -> Prepared:
     prepared = Prepared(model.config, policy, paths, model, tokenizer, adapter, modules)
 
     started = time.time()
-    result = prepare_method(cfg, paths, model, adapter, tokenizer, policy.spec)
+    result = prepare_method(cfg, paths, model, adapter, tokenizer, policy.spec, job.weights)
     prepared.metrics["method/seconds"] = time.time() - started
     if result is not None:
         probe = EquivalenceProbe(equivalence_sequences(cfg, paths, tokenizer))

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from quantmla.errors import ConfigError
-from quantmla.spec import check_bits
+from quantmla.spec import UNQUANTIZED_BITS, QuantizerSpec, check_bits
 
 SCALE_FLOOR = 1e-8
 PACKABLE_BITS = (2, 4, 8)
@@ -122,3 +122,19 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     mask = (1 << bits) - 1
     return ((packed.unsqueeze(-1) >> shifts) & mask).flatten(-2)
+
+
+def qdq_content(spec: QuantizerSpec, x: torch.Tensor, ste: bool = False) -> torch.Tensor:
+    """Fake-quantize the content latent as the cache stores it (identity at 16 bits)."""
+    return _qdq_path(x, spec.content_bits, spec.group_size, spec.content_meta_dtype, ste)
+
+
+def qdq_rope(spec: QuantizerSpec, x: torch.Tensor, ste: bool = False) -> torch.Tensor:
+    """Fake-quantize the RoPE key as the cache stores it (identity at 16 bits)."""
+    return _qdq_path(x, spec.rope_bits, spec.group_size, spec.rope_meta_dtype, ste)
+
+
+def _qdq_path(x, bits: int, group_size: int, meta: str, ste: bool) -> torch.Tensor:
+    if bits >= UNQUANTIZED_BITS:
+        return x
+    return quantize_dequantize(x, bits, group_size, meta_dtype=getattr(torch, meta), ste=ste)

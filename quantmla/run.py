@@ -8,7 +8,6 @@ writable), skips the job if its record already exists (unless force=true), prepa
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from pathlib import Path
@@ -32,34 +31,28 @@ Main commands
   python -m quantmla.run --hydra-help                     Hydra's own options (launchers, sweeps)
 """
 
-_running: dict = {}  # the job in progress, for the one-line Ctrl-C message
+_running: dict = {"written": 0}  # the job in progress and the records this process wrote
 
 
 def run(cfg) -> dict | None:
-    """One job: validate, skip if done, prepare, evaluate, record. Returns the record."""
-    from omegaconf import OmegaConf
+    """One job: validate (resolve), skip if done, prepare, evaluate, record. Returns the record."""
+    from quantmla.job import resolve
+    from quantmla.tracking.store import load_record
 
-    from quantmla.config import validate
-    from quantmla.tracking.store import load_record, record_path, weights_fingerprint
-
-    evaluator, paths = validate(cfg)
+    job = resolve(cfg)
     if cfg.precision.name == "bf16" and cfg.method.name != "rtn":
         print(
             f"[quantmla] precision=bf16 quantizes nothing: method={cfg.method.name} skipped (the rtn job is BF16)"
         )
         return None
-    config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-    # the weights are part of the job: a retrained checkpoint under the same path is a new record
-    config["model"]["weights"] = weights_fingerprint(paths.checkpoint(cfg.model.path))
-    path = record_path(paths.results_dir, cfg.experiment_name, config)
     _running.update(
         job=f"{cfg.model.name} {cfg.precision.name} {cfg.method.name} ({cfg.eval.kind})",
-        experiment_dir=paths.results_dir / cfg.experiment_name,
+        experiment_dir=job.paths.results_dir / cfg.experiment_name,
     )
-    existing = load_record(path)
+    existing = load_record(job.record_path)
     if existing is not None and not cfg.force:
-        print(f"[quantmla] {path} exists: skipped (force=true recomputes)")
-        print(evaluator.format_table(existing))
+        print(f"[quantmla] {job.record_path} exists: skipped (force=true recomputes)")
+        print(job.evaluator.format_table(existing))
         return existing
     import torch
 
@@ -72,15 +65,16 @@ def run(cfg) -> dict | None:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     started = time.time()
-    prepared = prepare(cfg, paths, load_model=evaluator.needs_model)
-    metrics = {**prepared.metrics, **evaluator.evaluate(cfg, prepared)}
+    prepared = prepare(job)
+    metrics = {**prepared.metrics, **job.evaluator.evaluate(job.cfg, prepared)}
     record = make_record(
-        config, metrics, cfg.experiment_name, time.time() - started, repo=repo_root()
+        job.config, metrics, cfg.experiment_name, time.time() - started, repo=repo_root()
     )
-    print(evaluator.format_table(record))
-    save_record(path, record)
+    print(job.evaluator.format_table(record))
+    save_record(job.record_path, record)
+    _running["written"] += 1
     mirror(record, cfg.logger)
-    print(f"[quantmla] wrote {path} ({record['wall_time_s']:.1f} s)")
+    print(f"[quantmla] wrote {job.record_path} ({record['wall_time_s']:.1f} s)")
     return record
 
 
@@ -101,45 +95,27 @@ def save_record(path: Path, record: dict) -> None:
         ) from None
 
 
-def _interrupted() -> None:
+def interrupted_message() -> str:
+    """The one line after Ctrl-C: the job cut short and the records *this* command wrote."""
     experiment = _running.get("experiment_dir")
-    done = len(list(Path(experiment).glob("*/result.json"))) if experiment else 0
     job = _running.get("job", "before the first job started")
-    print(
-        f"\ninterrupted: {job}; {done} record(s) complete in {experiment or 'the results store'}; "
-        "rerun the same command to resume",
-        file=sys.stderr,
+    where = f" in {experiment}" if experiment else ""
+    return (
+        f"interrupted: {job}; this command completed {_running['written']} record(s){where}; "
+        "rerun the same command to resume"
     )
+
+
+def _interrupted() -> None:
+    print(f"\n{interrupted_message()}", file=sys.stderr)
     sys.exit(130)
 
 
-_PRECISION_ARG = re.compile(r"(\+{0,2})precision=([^()]+)")
-
-
-def _precision_presets() -> set[str]:
-    return {
-        p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "precision").glob("*.yaml")
-    }
-
-
-def route_precision(argv: list[str]) -> list[str]:
-    """`precision=c3r4` (no preset file) means `precision.name=c3r4`: every preset only names its
-    precision, so the two are the same job; the name is then validated in one line."""
-    presets = _precision_presets()
-    routed = []
-    for arg in argv:
-        match = _PRECISION_ARG.fullmatch(arg)
-        if match and any(v not in presets for v in match.group(2).split(",")):
-            arg = f"precision.name={match.group(2)}"
-        routed.append(arg)
-    return routed
-
-
 def help_text() -> str:
+    from quantmla.cli import CONF_DIR
     from quantmla.config import describe
 
-    conf = Path(__file__).resolve().parents[1] / "conf"
-    groups = sorted(p for p in conf.iterdir() if p.is_dir() and not p.name.startswith("."))
+    groups = sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and not p.name.startswith("."))
     lines = [HELP, "Config groups (group=option)"]
     for g in groups:
         options = sorted(p.stem for p in g.glob("*.yaml")) or sorted(
@@ -152,35 +128,13 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
-def hydra_app(config_name: str, job) -> None:
-    """Run `job(config object)` as the Hydra app of `conf/<config_name>.yaml`; a QuantMLAError is
-    one line on stderr and exit code 2."""
-    import hydra
-
-    import quantmla.config  # noqa: F401  (registers the structured-config schemas)
-
-    conf = Path(__file__).resolve().parents[1] / "conf"
-
-    @hydra.main(version_base=None, config_path=str(conf), config_name=config_name)
-    def app(cfg) -> None:
-        from omegaconf import OmegaConf
-
-        from quantmla.errors import QuantMLAError
-
-        try:
-            job(OmegaConf.to_object(cfg))
-        except QuantMLAError as err:
-            print(f"error: {err}", file=sys.stderr)
-            sys.exit(2)
-
-    app()
-
-
 def main() -> None:
     argv = sys.argv[1:]
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return
+    from quantmla.cli import hydra_app, route_precision
+
     sys.argv[1:] = route_precision(argv)
     try:
         hydra_app("config", run)

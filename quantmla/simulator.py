@@ -4,7 +4,7 @@ cache through the quantizer under a sink/recent protection policy (SPEC §5).
 The transformers cache keeps storing the unquantized latent `c` and RoPE key `k_R` (the BF16
 protection copies). Quantization is per token and deterministic, so prefill and token-by-token
 decoding see the same values: a `DynamicCache` keeps each token's dequantized copy, made once when
-the token enters (`quantmla.cache`); without a cache, or with another cache type, the history is
+the token enters (`quantmla.cache.simulated`); without a cache, or with another cache type, the history is
 quantize-dequantized in the forward. Attention is `quantmla.attention`.
 
 Non-finite values: a NaN/Inf entering the cache would reach every later query that attends to its
@@ -20,9 +20,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from quantmla.attention import attention_output, protected_mask
-from quantmla.cache import dequantized_layer
+from quantmla.attention import attention_output, cache_regions
+from quantmla.cache.packed import packed_attention
+from quantmla.cache.simulated import dequantized_layer
 from quantmla.errors import ConfigError, NonFiniteCacheError, QuantMLAError
+from quantmla.memory import CacheLayout
 from quantmla.models.adapters import MLAAdapter, MLAGeometry, get_adapter
 from quantmla.policy import CachePolicy
 
@@ -90,9 +92,6 @@ def mla_forward(
     b, n = hidden_states.shape[:2]
     past = cache.get_seq_length(module.layer_idx) if cache is not None else 0
     if cache is not None and policy.backend == "packed" and policy.spec.quantized:
-        from kernels.paged_cache.cache_layer import packed_attention
-        from quantmla.memory import CacheLayout
-
         q_slots = past + torch.arange(n, device=proj.c.device)
         allowed = _allowed_mask(attention_mask, q_slots, past + n, b)
         layout = CacheLayout(
@@ -112,32 +111,11 @@ def mla_forward(
             hats = (c4_hat[:, 0], k4_hat[:, 0])
     q_slots = past + torch.arange(n, device=c.device)
     allowed = _allowed_mask(attention_mask, q_slots, c.shape[1], b)
-    regions = _regions(policy, c, k_rot, allowed, q_slots, hats)
+    regions = cache_regions(policy, c, k_rot, allowed, q_slots, hats)
     out = attention_output(
         module, adapter, proj.q_nope, proj.q_rot, regions, policy.form, patch.geometry
     )
     return out, None
-
-
-def _regions(policy: CachePolicy, c, k_rot, allowed, q_slots, hats=None):
-    """[(c, k_R, allowed)] per region: the dequantized history (`hats` when the cache keeps it,
-    else quantized here) and the gathered protected rows."""
-    spec = policy.spec
-    if not spec.quantized:
-        return [(c, k_rot, allowed)]
-    c_hat, k_hat = hats if hats is not None else (spec.qdq_content(c), spec.qdq_rope(k_rot))
-    protected = protected_mask(q_slots, c.shape[1], policy.sink, policy.recent)[None, None]
-    regions = []
-    quant_allowed = allowed & ~protected
-    if quant_allowed.any():
-        regions.append((c_hat, k_hat, quant_allowed))
-    raw_allowed = allowed & protected
-    columns = raw_allowed.flatten(0, 2).any(dim=0).nonzero().squeeze(-1)
-    if columns.numel():
-        if columns.numel() < c.shape[1]:  # gather only the protected rows (decode: sink + recent)
-            c, k_rot, raw_allowed = c[:, columns], k_rot[:, columns], raw_allowed[..., columns]
-        regions.append((c, k_rot, raw_allowed))
-    return regions or [(c_hat, k_hat, allowed)]
 
 
 def patch_model(

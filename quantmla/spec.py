@@ -87,25 +87,6 @@ class QuantizerSpec:
                     f"a divisor of {name}={dim} (and of the other path)",
                 )
 
-    def qdq_content(self, x, ste: bool = False):
-        """Fake-quantize the content latent as the cache stores it (identity at 16 bits)."""
-        return self._qdq(x, self.content_bits, self.content_meta_dtype, ste)
-
-    def qdq_rope(self, x, ste: bool = False):
-        """Fake-quantize the RoPE key as the cache stores it (identity at 16 bits)."""
-        return self._qdq(x, self.rope_bits, self.rope_meta_dtype, ste)
-
-    def _qdq(self, x, bits: int, meta: str, ste: bool):
-        if bits >= UNQUANTIZED_BITS:
-            return x
-        import torch
-
-        from quantmla.quant import quantize_dequantize
-
-        return quantize_dequantize(
-            x, bits, self.group_size, meta_dtype=getattr(torch, meta), ste=ste
-        )
-
 
 def check_bits(bits: int, field: str = "bits") -> int:
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:

@@ -10,9 +10,14 @@ from analysis import probes as probe_tables
 from analysis import sensitivity as sens_tables
 from quantmla.calibration.objectives import layer_output
 from quantmla.errors import ConfigError
-from quantmla.evaluation.layer_study import capture_cell, layer_cell, qdq_error, rescale_to_nmse
-from quantmla.evaluation.probes import decomposition, directional_gain, hessian_diagonal
-from quantmla.evaluation.sensitivity import finite_response
+from quantmla.evaluation.studies.layer_study import (
+    capture_cell,
+    layer_cell,
+    qdq_error,
+    rescale_to_nmse,
+)
+from quantmla.evaluation.studies.probes import decomposition, directional_gain, hessian_diagonal
+from quantmla.evaluation.studies.sensitivity import finite_response
 from quantmla.models.adapters import get_adapter
 from quantmla.models.tiny import tiny_mla_config
 from quantmla.spec import QuantizerSpec
@@ -133,14 +138,14 @@ def test_bad_study_settings_stop_before_loading(override, expected, tmp_path, mo
 
 
 def test_too_few_probes_stop(tmp_path):
-    from quantmla.config import validate
+    from quantmla.job import resolve as validate
 
     with pytest.raises(ConfigError, match="eval.probes=1 is not allowed; allowed: at least 2"):
         validate(run_config("eval=probes", "eval.probes=1", f"paths.results_dir={tmp_path}"))
 
 
 def test_hub_checkpoint_offline_stops_in_one_line(tmp_path, monkeypatch):
-    from quantmla.config import validate
+    from quantmla.job import resolve as validate
     from quantmla.errors import DataNotFoundError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -6,7 +6,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from quantmla.config import RunConfig, validate
+from quantmla.config import RunConfig
+from quantmla.job import resolve as validate
 from quantmla.data import load_text
 from quantmla.errors import QuantMLAError
 from quantmla.models.adapters import get_adapter

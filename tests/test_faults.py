@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from quantmla.errors import ConfigError, QuantMLAError
-from quantmla.run import route_precision, run
+from quantmla.cli import route_precision
+from quantmla.run import run
 from quantmla.tracking import store
 from tests.conftest import REPO, needs_tiny, run_config, tiny_job
 

@@ -6,8 +6,9 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from quantmla import patch_model, set_policy, unpatch_model
-from quantmla.cache import DequantizedLatentLayer
+from quantmla.cache.simulated import DequantizedLatentLayer
 from quantmla.models.tiny import tiny_mla_config
+from quantmla.quant import qdq_content, qdq_rope
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +57,8 @@ def test_cache_keeps_dequantized_copy_through_crop_and_reorder(model):
     cache.crop(-2)
     cache.reorder_cache(torch.tensor([1, 0]))
     spec = layer.hat_spec
-    assert torch.equal(layer.keys_hat, spec.qdq_content(layer.keys))
-    assert torch.equal(layer.values_hat, spec.qdq_rope(layer.values))
+    assert torch.equal(layer.keys_hat, qdq_content(spec, layer.keys))
+    assert torch.equal(layer.values_hat, qdq_rope(spec, layer.values))
     unpatch_model(model)
 
 

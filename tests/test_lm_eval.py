@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from quantmla.errors import ConfigError, DataNotFoundError
-from quantmla.evaluation import niah
-from quantmla.evaluation.lm_tasks import local_docs
-from quantmla.evaluation.suites import TASKS, TASKS_DIR
+from quantmla.evaluation.lm_eval import niah
+from quantmla.evaluation.lm_eval.suites import TASKS, TASKS_DIR
+from quantmla.evaluation.lm_eval.tasks import local_docs
 from tests.conftest import DATA_DIR, TINY_MLA, needs_tiny, run_config
 
 pytestmark = pytest.mark.skipif(not DATA_DIR.is_dir(), reason="needs the shared data")
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not DATA_DIR.is_dir(), reason="needs the shared 
 
 @pytest.fixture(scope="module")
 def manager():
-    from quantmla.evaluation.lm_eval_suite import task_manager
+    from quantmla.evaluation.lm_eval.runner import task_manager
 
     return task_manager({"data_dir": str(DATA_DIR)})
 
@@ -337,7 +337,7 @@ def test_ruler_job_scores_each_task_and_length_into_the_record(tmp_path, capsys)
 
 
 def _validate(*overrides):
-    from quantmla.config import validate
+    from quantmla.job import resolve as validate
 
     return validate(run_config("model=tiny_mla", "logger=none", *overrides))
 
@@ -407,13 +407,13 @@ def _compressed(tests: list) -> str:
 @pytest.fixture
 def code_eval(monkeypatch):
     monkeypatch.setenv("HF_ALLOW_CODE_EVAL", "1")
-    from quantmla.evaluation import sandbox
+    from quantmla.evaluation.lm_eval import sandbox
 
     return sandbox
 
 
 def test_code_never_runs_without_the_opt_in(monkeypatch, tmp_path):
-    from quantmla.evaluation import sandbox
+    from quantmla.evaluation.lm_eval import sandbox
 
     monkeypatch.delenv("HF_ALLOW_CODE_EVAL", raising=False)
     marker = tmp_path / "ran"
@@ -451,7 +451,7 @@ def test_sandbox_limits_time_memory_and_network(code_eval):
 
 
 def test_livecodebench_prompt_extraction_and_scoring(code_eval):
-    from quantmla.evaluation.lm_tasks import livecodebench as lcb
+    from quantmla.evaluation.lm_eval.tasks import livecodebench as lcb
 
     doc = {
         "question_content": "Print the sum of two integers.",

@@ -5,7 +5,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from quantmla import patch_model, set_policy
-from quantmla.calibration.capture import capture_inputs
 from quantmla.calibration.context import CalibrationContext
 from quantmla.calibration.module import QuantMLACalibration
 from quantmla.config import CalibrationConfig
@@ -21,6 +20,7 @@ from quantmla.methods.equivalence import EquivalenceProbe, FusionEquivalenceErro
 from quantmla.methods.quarot import quarot
 from quantmla.methods.smoothquant import heldout_output_nmse, scales_from_statistics
 from quantmla.models.adapters import get_adapter
+from quantmla.models.capture import capture_inputs
 from quantmla.models.tiny import tiny_mla_config
 from quantmla.simulator import layer_patch
 from quantmla.spec import QuantizerSpec

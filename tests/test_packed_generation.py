@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from kernels.paged_cache.cache_layer import PackedLatentLayer, packed_bytes
 from quantmla import patch_model, set_policy, unpatch_model
+from quantmla.cache.packed import PackedLatentLayer, packed_bytes
 from quantmla.errors import ConfigError
 from quantmla.memory import CacheLayout
 from quantmla.spec import QuantizerSpec

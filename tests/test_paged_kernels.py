@@ -5,11 +5,13 @@ import math
 
 import pytest
 import torch
+from quantmla_kernels.paged_cache.pool import PagePool, PoolExhaustedError
+from quantmla_kernels.paged_cache.reference import read_tokens
+from quantmla_kernels.paged_cache.writer import write_tokens
 
-from kernels.paged_cache.pool import PagePool, PoolExhaustedError
-from kernels.paged_cache.writer import read_tokens, write_tokens
 from quantmla.errors import ConfigError, NonFiniteCacheError
 from quantmla.memory import PAGE_TOKENS, layout
+from quantmla.quant import qdq_content, qdq_rope
 
 PRECISIONS = ("c4r4", "c2r4")
 
@@ -80,8 +82,8 @@ def test_reader_returns_the_quantizers_values(precision):
     write_tokens(pool, 0, c, k)
     c_hat, k_hat = read_tokens(pool, 0)
     spec = lay.spec
-    assert torch.equal(c_hat, spec.qdq_content(c))
-    assert torch.equal(k_hat, spec.qdq_rope(k))
+    assert torch.equal(c_hat, qdq_content(spec, c))
+    assert torch.equal(k_hat, qdq_rope(spec, k))
 
 
 def test_protection_buffer_holds_sinks_and_a_ring_of_the_last_recent():
@@ -156,7 +158,8 @@ def assert_close_to_reference(out, lse, ref, ref_lse):
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_decode_matches_the_dequantize_then_attend_reference(precision):
-    from kernels.paged_cache.decode import decode_reference, decode_triton
+    from quantmla_kernels.paged_cache.decode import decode_triton
+    from quantmla_kernels.paged_cache.reference import decode_reference
 
     lengths = [1, 4, 5, 63, 64, 65, 131, 132, 133, 700]
     pool, ids, q, qr = filled_pool(precision, lengths)
@@ -166,7 +169,8 @@ def test_decode_matches_the_dequantize_then_attend_reference(precision):
 
 
 def test_decode_is_split_invariant_including_empty_splits():
-    from kernels.paged_cache.decode import decode_reference, decode_triton
+    from quantmla_kernels.paged_cache.decode import decode_triton
+    from quantmla_kernels.paged_cache.reference import decode_reference
 
     pool, ids, q, qr = filled_pool("c4r4", [5, 200, 700], heads=3)
     ref, ref_lse = decode_reference(pool, ids, q, qr, scaling=0.1)
@@ -178,7 +182,7 @@ def test_decode_is_split_invariant_including_empty_splits():
 
 def test_decode_reads_protected_rows_unquantized():
     """Changing a protected token's packed copy changes nothing; changing its BF16 row does."""
-    from kernels.paged_cache.decode import decode_triton
+    from quantmla_kernels.paged_cache.decode import decode_triton
 
     pool, ids, q, qr = filled_pool("c2r4", [300], heads=2)
     before, _ = decode_triton(pool, ids, q, qr, 0.2, num_splits=2)
@@ -196,12 +200,9 @@ def test_decode_reads_protected_rows_unquantized():
 def test_bf16_page_baseline_and_dequantized_workspace_match_the_reference():
     """The latency sweep's baselines compute the same attention: the BF16-page kernel over the
     workspace the dequantize kernel builds equals the packed kernel with protection off."""
-    from kernels.paged_cache.decode import (
-        decode_bf16_pages,
-        decode_reference,
-        dequantize_pages,
-        stacked_inputs,
-    )
+    from quantmla_kernels.paged_cache.baselines import decode_bf16_pages, dequantize_pages
+    from quantmla_kernels.paged_cache.decode import stacked_inputs
+    from quantmla_kernels.paged_cache.reference import decode_reference
 
     lay = small_layout("c4r4", sink=0, recent=0)
     pool = PagePool(lay, 12)
@@ -226,7 +227,8 @@ def test_bf16_page_baseline_and_dequantized_workspace_match_the_reference():
 def test_kernels_on_cuda_match_the_references(precision):
     """On a GPU: the compiled writer is bit-identical and the decode kernel (BF16 dots) within
     the stated bounds of the float64 reference at DeepSeek dims."""
-    from kernels.paged_cache.decode import decode_reference, decode_triton
+    from quantmla_kernels.paged_cache.decode import decode_triton
+    from quantmla_kernels.paged_cache.reference import decode_reference
 
     lay = layout(precision)
     ref, tri = PagePool(lay, 40, device="cuda"), PagePool(lay, 40, device="cuda")

@@ -2,8 +2,8 @@
 back, and misuse fails in one line without changing the pool."""
 
 import pytest
+from quantmla_kernels.paged_cache.pool import FREE, PagePool, PoolExhaustedError, RequestStateError
 
-from kernels.paged_cache.pool import FREE, PagePool, PoolExhaustedError, RequestStateError
 from quantmla.memory import PAGE_TOKENS, layout
 
 

@@ -74,7 +74,7 @@ def test_documents_are_exact_deterministic_and_answer_where_the_targets_say(
 def test_restated_answers_follow_a_lead_that_names_the_key(tokenizer):
     """`restate`: the same exact-length document, the answer after a restated lead (optionally an
     instruction header first); none of it is RULER's wording."""
-    from quantmla.evaluation.niah import NEEDLE, TEMPLATE
+    from quantmla.evaluation.lm_eval.niah import NEEDLE, TEMPLATE
 
     sampler = RetrievalSampler(tokenizer)
     plain = _samples(sampler, 7, n=24, distractors=1, questions=2)

@@ -45,7 +45,7 @@ def test_default_run_writes_a_record_and_resumes(tmp_path, capsys):
 
 @needs_tiny
 def test_precision_without_preset_is_a_job(tmp_path):
-    from quantmla.run import route_precision
+    from quantmla.cli import route_precision
 
     overrides = route_precision(tiny_job(tmp_path, "precision=c3r4"))
     record = run(run_config(*overrides))

@@ -7,10 +7,10 @@ import sys
 import pytest
 import torch
 
-from quantmla.evaluation.nmse import RunningNMSE, nmse
 from quantmla.evaluation.registry import EVALUATORS
 from quantmla.memory import CacheLayout, layout
 from quantmla.methods.registry import METHODS
+from quantmla.metrics import RunningNMSE, nmse
 from quantmla.run import run
 from quantmla.spec import QuantizerSpec
 from tests.conftest import REPO, needs_tiny, run_config, tiny_job

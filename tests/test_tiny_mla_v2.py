@@ -103,7 +103,7 @@ def test_retrieval_documents_are_the_same_for_every_cache():
     ],
 )
 def test_bad_retrieval_config_names_the_field(override, field, tmp_path):
-    from quantmla.config import validate
+    from quantmla.job import resolve as validate
 
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         validate(run_config(*job(tmp_path, override)))

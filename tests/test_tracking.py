@@ -9,7 +9,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from quantmla.config import validate
+from quantmla.job import resolve as validate
 from quantmla.errors import DataNotFoundError, NotImplementedYet
 from quantmla.evaluation.registry import EVALUATORS
 from quantmla.run import run
@@ -124,7 +124,7 @@ def test_atomic_write_leaves_no_partial_record(tmp_path, monkeypatch):
 def test_every_experiment_job_validates(name, tmp_path, monkeypatch):
     """Each job of each sweep composes and passes validation (a typo in a sweep fails here); a kind
     that is not implemented yet may only stop after every other check passed."""
-    from quantmla.evaluation.suites import TASKS
+    from quantmla.evaluation.lm_eval.suites import TASKS
 
     monkeypatch.setenv("HF_ALLOW_CODE_EVAL", "1")  # the opt-in is tested in test_lm_eval
     cfg = resolved(f"experiment={name}", hydra=True)

@@ -5,58 +5,25 @@ protection window, the request's BF16 buffer for the first `sink` and the last `
 the softmax-weighted latent o = Σ_t p_t ĉ_t (B, H, d_c) and its log-sum-exp (the caller applies
 W_UV and W_O, as the simulator's absorbed form).
 
-`decode_reference`: dequantize the pages (the reader), float64 softmax over both regions.
 `decode_triton`: split-K over pages — each program takes a request's block of heads (all of them
 when h_q ≤ BLOCK_H) and a run of pages, unpacks and dequantizes each 64-token tile once in
 registers and uses it for both QK and PV (online softmax); one extra split attends to the
-protected rows; a second kernel merges the splits by the log-sum-exp rule (`merge_partials`)."""
+protected rows; a second kernel merges the splits by the log-sum-exp rule. Its reference is
+`reference.decode_reference`; the benchmark-only baselines are in `baselines.py`."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-
-from kernels.paged_cache.pool import PagePool
-from kernels.paged_cache.writer import layout_constants, read_tokens
-from quantmla.memory import PAGE_TOKENS
+from quantmla_kernels.paged_cache.layout import layout_constants
+from quantmla_kernels.paged_cache.pool import PagePool
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None
-
-
-def protected_positions(tokens: int, sink: int, recent: int) -> torch.Tensor:
-    """Bool (tokens,): positions the decode step reads from the BF16 buffer (SPEC's protection for
-    the query at the last slot: j < sink or j ≥ T − recent)."""
-    j = torch.arange(tokens)
-    return (j < sink) | (j >= tokens - recent)
-
-
-def protected_rows(pool: PagePool, request_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions, rows (n, d_c + d_r) float32) the request's protection buffer holds now."""
-    layout, request = pool.layout, pool.request(request_id)
-    pos = protected_positions(request.tokens, layout.sink, layout.recent).nonzero().flatten()
-    slot = torch.where(pos < layout.sink, pos, layout.sink + pos % max(layout.recent, 1))
-    return pos, request.protection[slot.to(request.protection.device)].float()
-
-
-def decode_reference(pool, request_ids, q_lat, q_rope, scaling):
-    """float64 reference: (o (B, H, d_c), lse (B, H))."""
-    layout = pool.layout
-    outs, lses = [], []
-    for b, rid in enumerate(request_ids):
-        c, k = read_tokens(pool, rid)
-        pos, rows = protected_rows(pool, rid)
-        c, k = c.double().clone(), k.double().clone()
-        c[pos], k[pos] = rows[:, : layout.d_c].double(), rows[:, layout.d_c :].double()
-        scores = scaling * (q_lat[b].double() @ c.T + q_rope[b].double() @ k.T)  # (H, T)
-        lse = torch.logsumexp(scores, dim=-1)
-        outs.append(torch.softmax(scores, dim=-1) @ c)
-        lses.append(lse)
-    return torch.stack(outs), torch.stack(lses)
 
 
 # ------------------------------------------------------------------------------------- Triton
@@ -159,6 +126,7 @@ if triton is not None:
         DOT: tl.constexpr,
         PREC: tl.constexpr,
         BF16_PAGES: tl.constexpr,
+        PAGE: tl.constexpr,
     ):
         b = tl.program_id(0)
         hb = tl.program_id(1)
@@ -181,19 +149,19 @@ if triton is not None:
         m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_H,), tl.float32)
         acc = tl.zeros((BLOCK_H, D_C), tl.float32)
-        rows = tl.arange(0, 64)
+        rows = tl.arange(0, PAGE)
         if split < NUM_SPLITS:  # a run of packed pages
-            n_pages = tl.cdiv(T, 64)
+            n_pages = tl.cdiv(T, PAGE)
             per_split = tl.cdiv(n_pages, NUM_SPLITS)
             first = split * per_split
             last = tl.minimum(first + per_split, n_pages)
             for page in range(first, last):
                 phys = tl.load(table_ptr + b.to(tl.int64) * max_pages + page).to(tl.int64)
                 base = phys * PAGE_BYTES  # int64 byte offset
-                pos = page * 64 + rows
+                pos = page * PAGE + rows
                 if BF16_PAGES:  # the baseline: every token a BF16 row of a paged cache
                     keep = pos < T
-                    at = (phys * 64 + rows[:, None]) * (D_C + D_R)
+                    at = (phys * PAGE + rows[:, None]) * (D_C + D_R)
                     c = tl.load(bf16_ptr + at + dc[None, :], mask=keep[:, None], other=0.0)
                     k = tl.load(bf16_ptr + at + D_C + dr[None, :], mask=keep[:, None], other=0.0)
                     c, k = c.to(tl.float32), k.to(tl.float32)
@@ -210,7 +178,7 @@ if triton is not None:
                         C_CODES,
                         C_SCALES,
                         C_ZEROS,
-                        64,
+                        PAGE,
                     )
                     k = _dequant_tile(
                         store_ptr,
@@ -223,13 +191,13 @@ if triton is not None:
                         R_CODES,
                         R_SCALES,
                         R_ZEROS,
-                        64,
+                        PAGE,
                     )
                     c = tl.where(keep[:, None], c, 0.0)  # rows past T hold stale bytes: never 0·NaN
                     k = tl.where(keep[:, None], k, 0.0)
                 m_i, l_i, acc = _online_update(q, qr, c, k, keep, m_i, l_i, acc, scaling, DOT, PREC)
         else:  # the protected rows: sinks at their position, the ring at sink + pos % recent
-            for start in range(0, PROT_ROWS, 64):
+            for start in range(0, PROT_ROWS, PAGE):
                 r = start + rows
                 ring = r - SINK
                 pos = tl.where(r < SINK, r, (T - 1) - ((T - 1 - ring) % RECENT))
@@ -282,57 +250,11 @@ if triton is not None:
         )
 
 
-if triton is not None:
-
-    @triton.jit
-    def _dequant_pages_kernel(
-        store_ptr,
-        out_ptr,
-        D_C: tl.constexpr,
-        D_R: tl.constexpr,
-        GROUP: tl.constexpr,
-        PAGE_BYTES: tl.constexpr,
-        C_BITS: tl.constexpr,
-        C_META: tl.constexpr,
-        C_CODES: tl.constexpr,
-        C_SCALES: tl.constexpr,
-        C_ZEROS: tl.constexpr,
-        R_BITS: tl.constexpr,
-        R_META: tl.constexpr,
-        R_CODES: tl.constexpr,
-        R_SCALES: tl.constexpr,
-        R_ZEROS: tl.constexpr,
-    ):
-        """Baseline: one packed page → 64 BF16 rows [ĉ | k̂_R] of a workspace."""
-        page = tl.program_id(0).to(tl.int64)
-        base = page * PAGE_BYTES
-        rows = tl.arange(0, 64)
-        c = _dequant_tile(
-            store_ptr, base, rows, D_C, GROUP, C_BITS, C_META, C_CODES, C_SCALES, C_ZEROS, 64
-        )
-        k = _dequant_tile(
-            store_ptr, base, rows, D_R, GROUP, R_BITS, R_META, R_CODES, R_SCALES, R_ZEROS, 64
-        )
-        row_at = (page * 64 + rows[:, None]) * (D_C + D_R)
-        tl.store(out_ptr + row_at + tl.arange(0, D_C)[None, :], c.to(out_ptr.dtype.element_ty))
-        tl.store(
-            out_ptr + row_at + D_C + tl.arange(0, D_R)[None, :], k.to(out_ptr.dtype.element_ty)
-        )
-
-
-def dequantize_pages(pool: PagePool, dtype=torch.bfloat16) -> torch.Tensor:
-    """Every physical page dequantized into a (n_pages, 64, d_c + d_r) workspace (baseline)."""
-    layout = pool.layout
-    out = torch.empty(
-        pool.n_pages, PAGE_TOKENS, layout.d_c + layout.d_r, dtype=dtype, device=pool.device
-    )
-    _dequant_pages_kernel[(pool.n_pages,)](pool.storage, out, **layout_constants(layout))
-    return out
-
-
-def default_splits(max_tokens: int, batch: int, target_programs: int = 132) -> int:
+def default_splits(
+    max_tokens: int, batch: int, page_tokens: int, target_programs: int = 132
+) -> int:
     """Enough splits to give the GPU's SMs work (≈ one wave), never more than the pages."""
-    pages = max(1, math.ceil(max_tokens / PAGE_TOKENS))
+    pages = max(1, math.ceil(max_tokens / page_tokens))
     return max(1, min(pages, math.ceil(target_programs / max(batch, 1))))
 
 
@@ -348,23 +270,26 @@ def stacked_inputs(pool: PagePool, request_ids) -> tuple[torch.Tensor, torch.Ten
     return table.to(pool.device), lens.to(pool.device), prot
 
 
-def launch_decode(  # the benchmark calls this with inputs prepared once (graph-capturable)
-    q_lat,
-    q_rope,
-    scaling,
-    table,
-    lens,
+def launch_decode(
+    *,
+    q_lat: torch.Tensor,
+    q_rope: torch.Tensor,
+    scaling: float,
+    table: torch.Tensor,
+    lens: torch.Tensor,
     layout,
-    storage,
-    bf16_pages,
-    prot,
-    num_splits,
-    block_h,
-    dot_dtype,
-    num_warps=4,
+    storage: torch.Tensor,
+    prot: torch.Tensor | None = None,
+    bf16_pages: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_h: int | None = None,
+    dot_dtype: torch.dtype | None = None,
+    num_warps: int = 4,
 ):
+    """Both kernels on prepared inputs (graph-capturable; the benchmark calls it directly): the
+    packed pages + `prot` rows, or with `bf16_pages` the same kernel over a BF16 paged cache."""
     B, H, _ = q_lat.shape
-    splits = num_splits or default_splits(int(lens.max()), B)
+    splits = num_splits or default_splits(int(lens.max()), B, layout.page_tokens)
     block_h = block_h or max(16, min(64, triton.next_power_of_2(H)))
     interpreted = q_lat.device.type == "cpu"
     dot = {
@@ -401,6 +326,7 @@ def launch_decode(  # the benchmark calls this with inputs prepared once (graph-
         DOT=dot,
         PREC="ieee" if dot == tl.float32 else "tf32",
         BF16_PAGES=paged,
+        PAGE=layout.page_tokens,
         num_warps=num_warps,
     )
     out = torch.empty(B, H, layout.d_c, dtype=torch.float32, device=q_lat.device)
@@ -426,47 +352,15 @@ def decode_triton(
         raise RuntimeError("decode_triton needs the triton package")
     table, lens, prot = stacked_inputs(pool, request_ids)
     return launch_decode(
-        q_lat,
-        q_rope,
-        scaling,
-        table,
-        lens,
-        pool.layout,
-        pool.storage,
-        None,
-        prot,
-        num_splits,
-        block_h,
-        dot_dtype,
-    )
-
-
-def decode_bf16_pages(
-    pages,
-    table,
-    lens,
-    layout,
-    q_lat,
-    q_rope,
-    scaling,
-    num_splits=None,
-    block_h=None,
-    dot_dtype=None,
-):
-    """The same kernel over a BF16 paged cache (n_pages, 64, d_c + d_r): every token unquantized,
-    no protection split: the BF16 baseline of the latency sweep."""
-    storage = torch.empty(1, dtype=torch.uint8, device=pages.device)
-    return launch_decode(
-        q_lat,
-        q_rope,
-        scaling,
-        table,
-        lens,
-        layout,
-        storage,
-        pages,
-        None,
-        num_splits,
-        block_h,
-        dot_dtype,
+        q_lat=q_lat,
+        q_rope=q_rope,
+        scaling=scaling,
+        table=table,
+        lens=lens,
+        layout=pool.layout,
+        storage=pool.storage,
+        prot=prot,
+        num_splits=num_splits,
+        block_h=block_h,
+        dot_dtype=dot_dtype,
     )

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quantmla.errors import QuantMLAError
-from quantmla.memory import PAGE_MAP_BYTES, PAGE_TOKENS, CacheLayout
+from quantmla.memory import PAGE_MAP_BYTES, CacheLayout
 
 FREE = -1  # reverse-map entry of a page no request holds
 
@@ -87,7 +87,9 @@ class PagePool:
     def reserve(self, request_id: int, n_tokens: int) -> list[int]:
         """Grow the request's page table to hold `n_tokens` more tokens; all or nothing."""
         request = self.request(request_id)
-        needed = math.ceil((request.tokens + n_tokens) / PAGE_TOKENS) - len(request.pages)
+        needed = math.ceil((request.tokens + n_tokens) / self.layout.page_tokens) - len(
+            request.pages
+        )
         if needed > len(self.free):
             raise PoolExhaustedError(
                 f"request {request_id} needs {needed} more page(s) for {n_tokens} token(s); "
@@ -128,7 +130,8 @@ class PagePool:
             raise QuantMLAError(
                 f"token {token} of request {request_id} is outside 0..{request.tokens - 1}"
             )
-        return request.pages[token // PAGE_TOKENS], token % PAGE_TOKENS
+        page = self.layout.page_tokens
+        return request.pages[token // page], token % page
 
     def byte_offset(self, page: int, section: str, within: int = 0) -> int:
         """int64 byte offset into the flat storage of `section` of physical `page`."""

@@ -3,21 +3,20 @@ table; prefill (many tokens) and decode (one) are the same call. Protected token
 `sink`, and a ring of the last `recent`) are also copied to the request's BF16 buffer, and every
 token is packed, so a token leaving the recent window needs no rewrite.
 
-`write_tokens(..., backend="torch")` is the reference, built on `quantmla.quant.quantize`/`pack`;
-`backend="triton"` is one fused kernel per token whose codes, scales and zeros are bit-identical
-to it (tests/test_paged_kernels.py). Both stop before anything is written on non-finite input
+`write_tokens(..., backend="torch")` runs the reference (`reference.write_reference`, built on the
+one quantizer); `backend="triton"` is one fused kernel per token whose codes, scales and zeros are
+bit-identical to it (tests/test_paged_kernels.py). Both stop before anything is written on non-finite input
 (the simulator's `NonFiniteCacheError`) or a pool without room (`PoolExhaustedError`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+from quantmla_kernels.paged_cache.layout import check_packable, layout_constants
+from quantmla_kernels.paged_cache.pool import PagePool
+from quantmla_kernels.paged_cache.reference import write_reference
 
-from kernels.paged_cache.pool import PagePool
 from quantmla.errors import ConfigError, NonFiniteCacheError
-from quantmla.memory import PAGE_TOKENS, CacheLayout
-from quantmla.quant import PACKABLE_BITS, SCALE_FLOOR, Quantized, dequantize, pack, quantize, unpack
+from quantmla.quant import SCALE_FLOOR
 
 try:  # the fused kernels need Triton (a GPU, or TRITON_INTERPRET=1 on CPU)
     import triton
@@ -26,104 +25,13 @@ except ImportError:  # pragma: no cover - triton is a dependency
     triton = None
 
 
-@dataclass(frozen=True)
-class Path:
-    """One cached path (content latent or RoPE key) in a layout."""
-
-    name: str  # "content" | "rope"
-    dim: int
-    bits: int
-    meta_dtype: torch.dtype
-
-    @property
-    def row_bytes(self) -> int:
-        return self.dim * self.bits // 8
-
-
-def paths(layout: CacheLayout) -> tuple[Path, Path]:
-    s = layout.spec
-    return (
-        Path("content", layout.d_c, s.content_bits, getattr(torch, s.content_meta_dtype)),
-        Path("rope", layout.d_r, s.rope_bits, getattr(torch, s.rope_meta_dtype)),
-    )
-
-
-def check_packable(layout: CacheLayout) -> None:
-    """One line for a layout the packed cache cannot hold."""
-    s = layout.spec
-    for path in paths(layout):
-        if path.bits not in PACKABLE_BITS:
-            raise ConfigError(
-                f"{path.name} bits (precision {s.precision})",
-                path.bits,
-                f"{PACKABLE_BITS} for the packed cache (16-bit paths: cache.backend=simulator)",
-            )
-        if path.dim % s.group_size:
-            raise ConfigError(
-                "group_size", s.group_size, f"a divisor of {path.name} dim {path.dim}"
-            )
-
-
-def token_bytes(layout: CacheLayout, c: torch.Tensor, k_r: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Reference: each section's bytes per token, (n, bytes) uint8, from the one quantizer."""
-    out = {}
-    for path, x in zip(paths(layout), (c, k_r)):
-        q = quantize(x.float(), path.bits, layout.spec.group_size, path.meta_dtype)
-        out[f"{path.name}_codes"] = pack(q.codes.flatten(-2), path.bits)
-        out[f"{path.name}_scales"] = q.scale.flatten(-2).contiguous().view(torch.uint8)
-        out[f"{path.name}_zeros"] = q.zero.flatten(-2).to(torch.uint8)
-    return out
-
-
-def read_tokens(pool: PagePool, request_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference reader: every token of a request dequantized from its pages, (T, d_c), (T, d_r)
-    float32 — what the simulator's quantize-dequantize gives for the same rows."""
-    layout, request = pool.layout, pool.request(request_id)
-    pos = torch.arange(request.tokens)
-    pages = request.page_table()[pos // PAGE_TOKENS].to(pool.device)
-    slots = (pos % PAGE_TOKENS).to(pool.device)
-    flat, page_bytes, g = pool.storage.view(-1), layout.page_bytes(), layout.spec.group_size
-    out = []
-    for path in paths(layout):
-        groups = path.dim // g
-        fields = {}
-        for kind, row in (
-            ("codes", path.row_bytes),
-            ("scales", groups * path.meta_dtype.itemsize),
-            ("zeros", groups),
-        ):
-            start, _ = layout.sections()[f"{path.name}_{kind}"]
-            index = (pages * page_bytes + start + slots * row)[:, None] + torch.arange(
-                row, device=pool.device
-            )
-            fields[kind] = flat[index]
-        q = Quantized(
-            unpack(fields["codes"], path.bits).reshape(-1, groups, g),
-            fields["scales"].contiguous().view(path.meta_dtype).reshape(-1, groups, 1),
-            fields["zeros"].reshape(-1, groups, 1).to(path.meta_dtype),
-            path.bits,
-        )
-        out.append(dequantize(q))
-    return out[0], out[1]
-
-
 def _destinations(pool: PagePool, request_id: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(physical page, slot) of the request's last `n` tokens."""
     request = pool.request(request_id)
     pos = torch.arange(request.tokens - n, request.tokens)
     table = request.page_table()
-    return table[pos // PAGE_TOKENS].to(pool.device), (pos % PAGE_TOKENS).to(pool.device)
-
-
-def _write_reference(pool: PagePool, pages, slots, c, k_r) -> None:
-    flat = pool.storage.view(-1)
-    page_bytes = pool.layout.page_bytes()
-    for name, data in token_bytes(pool.layout, c, k_r).items():
-        start, _ = pool.layout.sections()[name]
-        row = data.shape[-1]
-        base = pages * page_bytes + start + slots * row  # int64
-        index = base[:, None] + torch.arange(row, device=pool.device)[None, :]
-        flat[index.flatten()] = data.flatten().to(pool.device)
+    page = pool.layout.page_tokens
+    return table[pos // page].to(pool.device), (pos % page).to(pool.device)
 
 
 def _write_protection(pool: PagePool, request_id: int, c, k_r) -> None:
@@ -164,7 +72,7 @@ def write_tokens(
     pool.reserve(request_id, n)  # raises before anything is written
     pages, slots = _destinations(pool, request_id, n)
     if backend == "torch":
-        _write_reference(pool, pages, slots, c, k_r)
+        write_reference(pool, pages, slots, c, k_r)
     elif backend == "triton":
         _write_triton(pool, pages, slots, c, k_r)
     else:
@@ -280,24 +188,6 @@ if triton is not None:
             R_SCALES,
             R_ZEROS,
         )
-
-
-def layout_constants(layout: CacheLayout) -> dict:
-    """The kernels' compile-time description of a layout: dims, bits, metadata bytes and each
-    section's byte offset inside a page."""
-    check_packable(layout)
-    content, rope = paths(layout)
-    if torch.float16 in (content.meta_dtype, rope.meta_dtype):
-        raise ConfigError("metadata dtype (Triton kernels)", "float16", ("bfloat16", "float32"))
-    sec = layout.sections()
-    out = {"D_C": layout.d_c, "D_R": layout.d_r, "GROUP": layout.spec.group_size}
-    out["PAGE_BYTES"] = layout.page_bytes()
-    for prefix, path in (("C", content), ("R", rope)):
-        out[f"{prefix}_BITS"] = path.bits
-        out[f"{prefix}_META"] = path.meta_dtype.itemsize
-        for kind in ("codes", "scales", "zeros"):
-            out[f"{prefix}_{kind.upper()}"] = sec[f"{path.name}_{kind}"][0]
-    return out
 
 
 def _write_triton(pool: PagePool, pages, slots, c, k_r) -> None:

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quantmla.calibration.capture import ActivationStore, map_position_embeddings
 from quantmla.calibration.objectives import layer_output
 from quantmla.models.adapters import MLAAdapter, MLAProjections
+from quantmla.models.capture import ActivationStore, map_position_embeddings
 from quantmla.transforms.core import pair_indices
 
 

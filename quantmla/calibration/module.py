@@ -24,7 +24,7 @@ from torch import nn
 from quantmla.calibration.context import CalibrationContext
 from quantmla.calibration.objectives import content_qdq, layer_output, positional_qk_loss, rope_qdq
 from quantmla.config import CalibrationConfig
-from quantmla.evaluation.nmse import nmse
+from quantmla.metrics import nmse
 from quantmla.spec import QuantizerSpec
 from quantmla.transforms import ContentTransform, LayerTransforms, RopeTransform, cayley
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from quantmla.attention import attention_output, causal_regions
-from quantmla.evaluation.nmse import ENERGY_FLOOR
+from quantmla.metrics import ENERGY_FLOOR
+from quantmla.quant import qdq_content, qdq_rope
 from quantmla.spec import UNQUANTIZED_BITS, QuantizerSpec
 
 
@@ -19,7 +20,7 @@ def content_qdq(c, gamma, rotation, scale, spec: QuantizerSpec, ste: bool = Fals
     """ĉ = Q(c Γ⁻¹ R S) S⁻¹ Rᵀ Γ: the native-coordinate view of the quantized transformed cache."""
     if spec.content_bits >= UNQUANTIZED_BITS:
         return c
-    z_hat = spec.qdq_content(((c / gamma) @ rotation) * scale, ste=ste)
+    z_hat = qdq_content(spec, ((c / gamma) @ rotation) * scale, ste=ste)
     return ((z_hat / scale) @ rotation.transpose(-1, -2)) * gamma
 
 
@@ -27,7 +28,7 @@ def rope_qdq(q_rot, k_rot, key_matrix, query_matrix, spec: QuantizerSpec, ste: b
     """(q_R M_Q, Q(k_R M_K)); matrices in the *cache* pair layout (post-RoPE)."""
     if spec.rope_bits >= UNQUANTIZED_BITS:
         return q_rot, k_rot
-    return q_rot @ query_matrix, spec.qdq_rope(k_rot @ key_matrix, ste=ste)
+    return q_rot @ query_matrix, qdq_rope(spec, k_rot @ key_matrix, ste=ste)
 
 
 def positional_qk_loss(q_hat, k_hat, q_rot, k_rot) -> torch.Tensor:

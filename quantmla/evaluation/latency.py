@@ -18,7 +18,11 @@ def evaluate(cfg, prepared) -> dict:
             "eval.kind=latency measures speed and needs a CUDA device; on a CPU, "
             "`python benchmarks/decode_latency.py` checks the kernels' function instead"
         )
-    from kernels.paged_cache.latency import measured_copy_bandwidth, run_case, spec_bandwidth
+    from quantmla.evaluation.latency_harness import (
+        measured_copy_bandwidth,
+        run_case,
+        spec_bandwidth,
+    )
 
     heads = prepared.model_config.num_attention_heads
     name = torch.cuda.get_device_name(0)

@@ -34,10 +34,22 @@ def unigram_perplexity(windows: torch.Tensor) -> float:
     return math.exp(float(-(p * p.log()).sum()))
 
 
+def check(cfg, job) -> None:
+    """eval.kind=perplexity: known datasets, a positive window count."""
+    from quantmla.config import DATASETS
+    from quantmla.errors import ConfigError
+
+    for name in cfg.eval.datasets:
+        if name not in DATASETS:
+            raise ConfigError("eval.datasets", name, DATASETS)
+    if cfg.eval.max_windows is not None and cfg.eval.max_windows < 1:
+        raise ConfigError("eval.max_windows", cfg.eval.max_windows, "null (all) or >= 1")
+
+
 def evaluate(cfg, prepared) -> dict:
     """Perplexity per dataset (quantized, and BF16 when eval.compare_bf16) and per-layer NMSE."""
     from quantmla.data import load_text, perplexity_windows, tokenize
-    from quantmla.evaluation.nmse import OutputNMSE
+    from quantmla.models.capture import OutputNMSE
 
     data_dir = prepared.paths.data_dir
     model, ev = prepared.model, cfg.eval

@@ -78,9 +78,11 @@ def answer_token_hits(model, docs: list) -> tuple[list[int], list[int], int]:
     return hits, totals, whole
 
 
-def check_config(ev, max_positions: int | None) -> None:
-    """One line naming the field before anything loads."""
+def check(cfg, job) -> None:
+    """eval.kind=retrieval: one line naming the field before anything loads."""
     from quantmla.errors import ConfigError
+
+    ev, max_positions = cfg.eval, getattr(job.model_config, "max_position_embeddings", None)
 
     for haystack in ev.haystacks:
         if haystack not in HAYSTACKS:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from quantmla.errors import QuantMLAError
-from quantmla.evaluation.nmse import nmse
+from quantmla.metrics import nmse
 
 # Relative per-layer output error and absolute NLL drift (nats) allowed per weight dtype.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}

@@ -11,13 +11,13 @@ import hashlib
 
 import torch
 
-from quantmla.calibration.capture import capture_inputs
 from quantmla.calibration.context import CalibrationContext
 from quantmla.data import calibration_split, load_text, tokenize
 from quantmla.methods.base import ArtifactMismatchError, MethodJob, load_artifact, save_artifact
 from quantmla.methods.registry import METHODS
+from quantmla.models.capture import capture_inputs
 from quantmla.spec import QuantizerSpec
-from quantmla.tracking.store import stable_hash, weights_fingerprint
+from quantmla.tracking.store import stable_hash
 
 
 def _tensor_sha(t: torch.Tensor) -> str:
@@ -34,11 +34,11 @@ def calibration_sequences(cfg, paths, tokenizer) -> tuple[torch.Tensor, int]:
     return torch.cat([split.calibration, split.heldout]), split.calibration.shape[0]
 
 
-def artifact_metadata(cfg, paths, model, spec: QuantizerSpec, data_hash: str) -> dict[str, str]:
+def artifact_metadata(cfg, model, spec: QuantizerSpec, data_hash: str, weights) -> dict[str, str]:
     return {
         "model": cfg.model.path,
         "model_config_hash": stable_hash(model.config.to_dict(), 16),
-        "weights": str(weights_fingerprint(paths.checkpoint(cfg.model.path))),
+        "weights": str(weights),
         "precision": spec.precision,
         "quantizer": spec.key,
         "method": cfg.method.name,
@@ -47,15 +47,16 @@ def artifact_metadata(cfg, paths, model, spec: QuantizerSpec, data_hash: str) ->
     }
 
 
-def prepare_method(cfg, paths, model, adapter, tokenizer, spec: QuantizerSpec):
-    """The run's method result: None (RTN), fixed (QuaRot†) or loaded/calibrated (SmoothQuant†, QuantMLA)."""
+def prepare_method(cfg, paths, model, adapter, tokenizer, spec: QuantizerSpec, weights: str | None):
+    """The run's method result: None (RTN), fixed (QuaRot†) or loaded/calibrated (SmoothQuant†,
+    QuantMLA); `weights` is the job's weights fingerprint (artifacts never outlive retraining)."""
     method = METHODS[cfg.method.name]
     modules = adapter.attention_modules(model)
     if not method.calibrated:
         return method.build(MethodJob(modules, spec, seed=cfg.seed))
     cal = cfg.method.calibration
     sequences, n_calibration = calibration_sequences(cfg, paths, tokenizer)
-    expected = artifact_metadata(cfg, paths, model, spec, _tensor_sha(sequences))
+    expected = artifact_metadata(cfg, model, spec, _tensor_sha(sequences), weights)
     if cfg.method.artifact:  # given by the user: always loaded, never overwritten
         path = paths.resolve(cfg.method.artifact)
         if not path.is_file():

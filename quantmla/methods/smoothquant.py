@@ -12,8 +12,8 @@ import torch
 
 from quantmla.calibration.context import CalibrationContext
 from quantmla.calibration.objectives import content_qdq, layer_output, rope_qdq
-from quantmla.evaluation.nmse import RunningNMSE
 from quantmla.methods.base import MethodJob, MethodResult
+from quantmla.metrics import RunningNMSE
 from quantmla.spec import QuantizerSpec
 from quantmla.transforms import ContentTransform, LayerTransforms, RopeTransform
 

@@ -1,4 +1,4 @@
-"""Child-process side of quantmla.evaluation.sandbox (standard library only, run with `python -I -S`).
+"""Child-process side of quantmla.evaluation.lm_eval.sandbox (standard library only, run with `python -I -S`).
 
 Reads {code, public, private, func_name, seconds_per_test} as JSON on stdin, blocks sockets, runs
 every test and prints one JSON line {"passed", "reason"}."""

@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from quantmla.evaluation.layer_study import PATH_NAMES, qdq_error, rescale_to_nmse, run_study
-from quantmla.evaluation.nmse import nmse
+from quantmla.evaluation.studies.layer_study import (
+    PATH_NAMES,
+    qdq_error,
+    rescale_to_nmse,
+    run_study,
+)
+from quantmla.metrics import nmse
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """LiveCodeBench code generation (code_generation_lite, release_v6: 1,055 problems) as an lm-eval
 task: our own prompt wording, the program taken from the completion's last ```python block, pass@1
-by running every public and private test in quantmla.evaluation.sandbox (opt-in only)."""
+by running every public and private test in quantmla.evaluation.lm_eval.sandbox (opt-in only)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def extract_program(completion: str) -> str:
 
 
 def process_results(doc, results) -> dict:
-    from quantmla.evaluation.sandbox import run_tests
+    from quantmla.evaluation.lm_eval.sandbox import run_tests
 
     metadata = json.loads(doc.get("metadata") or "{}")
     program = extract_program(results[0])

@@ -170,19 +170,19 @@ def gsm8k(**kwargs):
 
 
 def niah_single_1(**kwargs):
-    from quantmla.evaluation.niah import niah_dataset
+    from quantmla.evaluation.lm_eval.niah import niah_dataset
 
     return niah_dataset("niah_single_1", **kwargs)
 
 
 def niah_single_2(**kwargs):
-    from quantmla.evaluation.niah import niah_dataset
+    from quantmla.evaluation.lm_eval.niah import niah_dataset
 
     return niah_dataset("niah_single_2", **kwargs)
 
 
 def niah_single_3(**kwargs):
-    from quantmla.evaluation.niah import niah_dataset
+    from quantmla.evaluation.lm_eval.niah import niah_dataset
 
     return niah_dataset("niah_single_3", **kwargs)
 

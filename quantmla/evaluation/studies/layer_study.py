@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from quantmla.attention import attention_output, causal_regions
-from quantmla.calibration.capture import ActivationStore, capture_inputs, map_position_embeddings
 from quantmla.errors import ConfigError
 from quantmla.models.adapters import MLAProjections
-from quantmla.spec import QuantizerSpec
+from quantmla.models.capture import ActivationStore, capture_inputs, map_position_embeddings
+from quantmla.quant import qdq_content, qdq_rope
+from quantmla.spec import UNQUANTIZED_BITS, QuantizerSpec
 
 PATHS = ("C", "P")  # content latent, RoPE key
 PATH_NAMES = {"C": "content", "P": "rope"}
@@ -126,8 +127,8 @@ def layer_cell(store: ActivationStore, layer: int, module, adapter, dtype=None) 
 
 def qdq_error(spec: QuantizerSpec, path: str, x: torch.Tensor) -> torch.Tensor:
     """The path's own RTN quantization error Q(x) − x in its cached coordinates."""
-    qdq = spec.qdq_content if path == "C" else spec.qdq_rope
-    return (qdq(x) - x).to(x.dtype)
+    qdq = qdq_content if path == "C" else qdq_rope
+    return (qdq(spec, x) - x).to(x.dtype)
 
 
 def rescale_to_nmse(e: torch.Tensor, x: torch.Tensor, target: float) -> torch.Tensor:
@@ -136,6 +137,22 @@ def rescale_to_nmse(e: torch.Tensor, x: torch.Tensor, target: float) -> torch.Te
     if energy == 0.0:
         raise ValueError("zero error direction: this path is not quantized at the job's precision")
     return e * math.sqrt(target * float(x.double().pow(2).sum()) / energy)
+
+
+def check(cfg, job) -> None:
+    """eval.kind=sensitivity / probes, before anything loads (layers counted from the config)."""
+    n_layers = mla_layer_count(job.model_config) if job.model_config is not None else None
+    check_study_config(cfg, n_layers)
+    spec = job.policy.spec
+    for path in cfg.eval.paths:
+        bits = spec.content_bits if path == "C" else spec.rope_bits
+        if bits >= UNQUANTIZED_BITS:
+            raise ConfigError(
+                "precision",
+                spec.precision,
+                f"a precision that quantizes path {path} (e.g. c4r4): the study rescales that "
+                "path's own quantization error, which is zero here",
+            )
 
 
 def check_study_config(cfg, n_layers: int | None = None) -> None:

@@ -10,6 +10,8 @@ import time
 
 import torch
 
+from quantmla.memory import PAGE_MAP_BYTES
+
 PRESETS = {
     "full": dict(
         batches=(8, 32), contexts=(1024, 4096, 16384, 65536, 262144, 1048576), heads=(16, 128)
@@ -47,11 +49,12 @@ def measured_copy_bandwidth() -> float:
 def filled_pool(precision, batch, context, device):
     """A pool with `batch` requests of `context` tokens, pages in random physical order, random
     codes and valid metadata (latency does not depend on the values)."""
-    from kernels.paged_cache.pool import PagePool
-    from quantmla.memory import PAGE_TOKENS, layout
+    from quantmla_kernels.paged_cache.pool import PagePool
+
+    from quantmla.memory import layout
 
     lay = layout(precision, D_C, D_R)
-    pages = batch * math.ceil(context / PAGE_TOKENS)
+    pages = batch * math.ceil(context / lay.page_tokens)
     pool = PagePool(lay, pages, device=device)
     pool.free = torch.randperm(pages).tolist()
     pool.storage.random_(0, 256)
@@ -73,14 +76,14 @@ def filled_pool(precision, batch, context, device):
 def bytes_per_step(kind, lay, batch, context, heads, splits) -> int:
     """Bytes one decode step reads: pages (codes + metadata, padding excluded) or BF16 rows,
     protection rows, page tables, queries; plus the split partials written and read back."""
-    pages = batch * math.ceil(context / 64)
+    pages = batch * math.ceil(context / lay.page_tokens)
     if kind == "bf16":
         data = batch * context * (D_C + D_R) * 2
     else:
         per_page = lay.page_bytes() - lay.sections()["padding"][1]
         data = pages * per_page + batch * (lay.sink + lay.recent) * (D_C + D_R) * 2
     partials = 2 * batch * (splits + 1) * heads * (D_C + 1) * 4
-    return data + pages * 8 + batch * heads * (D_C + D_R) * 4 + partials
+    return data + pages * PAGE_MAP_BYTES + batch * heads * (D_C + D_R) * 4 + partials
 
 
 def graph_times(fn, reps: int) -> list[float]:
@@ -146,7 +149,7 @@ def flashmla_step(pages_bf16, table, lens, q, qr):
     try:
         b, h = q.shape[:2]
         q_all = torch.cat([q, qr], -1).to(torch.bfloat16).unsqueeze(1)  # (B, 1, H, 576)
-        k_cache = pages_bf16.unsqueeze(2)  # (n_pages, 64, 1, 576)
+        k_cache = pages_bf16.unsqueeze(2)  # (n_pages, page tokens, 1, 576)
         meta, splits = flash_mla.get_mla_metadata(lens, h, 1)
         table32 = table.to(torch.int32)
 
@@ -163,24 +166,26 @@ def flashmla_step(pages_bf16, table, lens, q, qr):
 
 
 def run_case(batch, context, heads, rounds, reps, with_baselines=True) -> list[dict]:
-    from kernels.paged_cache.decode import (
-        default_splits,
-        launch_decode,
-        stacked_inputs,
-    )
-    from kernels.paged_cache.writer import _write_triton
+    from quantmla_kernels.paged_cache.baselines import dequantize_pages
+    from quantmla_kernels.paged_cache.decode import default_splits, launch_decode, stacked_inputs
+    from quantmla_kernels.paged_cache.writer import _write_triton
+
     from quantmla.memory import layout
 
     dev = "cuda"
     q = torch.randn(batch, heads, D_C, device=dev) * 0.05
     qr = torch.randn(batch, heads, D_R, device=dev) * 0.05
+    lay_bf16 = layout("c4r4", D_C, D_R)  # geometry for the BF16 kernel (no protection split)
+    page = lay_bf16.page_tokens
     splits = default_splits(
-        context, batch, torch.cuda.get_device_properties(0).multi_processor_count
+        context,
+        batch,
+        page,
+        target_programs=torch.cuda.get_device_properties(0).multi_processor_count,
     )
     configs = [
         dict(block_h=bh, num_warps=w) for bh in (16, 32, 64) if bh <= max(16, heads) for w in (4, 8)
     ]
-    lay_bf16 = layout("c4r4", D_C, D_R)  # geometry for the BF16 kernel (no protection split)
     variants, info = {}, {}
     pools = {}
     for precision in PRECISIONS:
@@ -190,40 +195,36 @@ def run_case(batch, context, heads, rounds, reps, with_baselines=True) -> list[d
 
         def make(block_h, num_warps, pool=pool, table=table, lens=lens, prot=prot):
             return lambda: launch_decode(
-                q,
-                qr,
-                0.07,
-                table,
-                lens,
-                pool.layout,
-                pool.storage,
-                None,
-                prot,
-                splits,
-                block_h,
-                None,
-                num_warps,
+                q_lat=q,
+                q_rope=qr,
+                scaling=0.07,
+                table=table,
+                lens=lens,
+                layout=pool.layout,
+                storage=pool.storage,
+                prot=prot,
+                num_splits=splits,
+                block_h=block_h,
+                num_warps=num_warps,
             )
 
         variants[precision], info[precision] = tuned(make, configs)
     pool, table, lens, _ = pools["c4r4"]
-    pages_bf16 = torch.randn(pool.n_pages, 64, D_C + D_R, device=dev, dtype=torch.bfloat16)
+    pages_bf16 = torch.randn(pool.n_pages, page, D_C + D_R, device=dev, dtype=torch.bfloat16)
 
     def make_bf16(block_h, num_warps):
         return lambda: launch_decode(
-            q,
-            qr,
-            0.07,
-            table,
-            lens,
-            lay_bf16,
-            pool.storage[:1, 0],
-            pages_bf16,
-            None,
-            splits,
-            block_h,
-            None,
-            num_warps,
+            q_lat=q,
+            q_rope=qr,
+            scaling=0.07,
+            table=table,
+            lens=lens,
+            layout=lay_bf16,
+            storage=pool.storage[:1, 0],
+            bf16_pages=pages_bf16,
+            num_splits=splits,
+            block_h=block_h,
+            num_warps=num_warps,
         )
 
     variants["bf16"], info["bf16"] = tuned(make_bf16, configs)
@@ -231,31 +232,26 @@ def run_case(batch, context, heads, rounds, reps, with_baselines=True) -> list[d
         bf16_cfg = info["bf16"]
         for precision in PRECISIONS:
             p_pool, p_table, p_lens, _ = pools[precision]
-            workspace = torch.empty(p_pool.n_pages, 64, D_C + D_R, device=dev, dtype=torch.bfloat16)
+            workspace = torch.empty(
+                p_pool.n_pages, page, D_C + D_R, device=dev, dtype=torch.bfloat16
+            )
 
             def dequant_then_bf16(
                 p_pool=p_pool, p_table=p_table, p_lens=p_lens, workspace=workspace
             ):
-                from kernels.paged_cache.decode import _dequant_pages_kernel
-                from kernels.paged_cache.writer import layout_constants
-
-                _dequant_pages_kernel[(p_pool.n_pages,)](
-                    p_pool.storage, workspace, **layout_constants(p_pool.layout)
-                )
+                dequantize_pages(p_pool, out=workspace)
                 launch_decode(
-                    q,
-                    qr,
-                    0.07,
-                    p_table,
-                    p_lens,
-                    lay_bf16,
-                    p_pool.storage[:1, 0],
-                    workspace,
-                    None,
-                    splits,
-                    bf16_cfg["block_h"],
-                    None,
-                    bf16_cfg["num_warps"],
+                    q_lat=q,
+                    q_rope=qr,
+                    scaling=0.07,
+                    table=p_table,
+                    lens=p_lens,
+                    layout=lay_bf16,
+                    storage=p_pool.storage[:1, 0],
+                    bf16_pages=workspace,
+                    num_splits=splits,
+                    block_h=bf16_cfg["block_h"],
+                    num_warps=bf16_cfg["num_warps"],
                 )
 
             variants[f"{precision}-dequant"] = dequant_then_bf16
@@ -275,9 +271,9 @@ def run_case(batch, context, heads, rounds, reps, with_baselines=True) -> list[d
         p_pool, p_table, _, _ = pools[precision]
         c = torch.randn(batch, D_C, device=dev)
         k = torch.randn(batch, D_R, device=dev)
-        last = math.ceil(context / 64) - 1
+        last = math.ceil(context / page) - 1
         dest_pages = p_table[:, last].contiguous()
-        dest_slots = torch.full((batch,), (context - 1) % 64, device=dev, dtype=torch.int64)
+        dest_slots = torch.full((batch,), (context - 1) % page, device=dev, dtype=torch.int64)
 
         def write(p_pool=p_pool, c=c, k=k, dest_pages=dest_pages, dest_slots=dest_slots):
             _write_triton(p_pool, dest_pages, dest_slots, c, k)
@@ -319,9 +315,11 @@ def run_case(batch, context, heads, rounds, reps, with_baselines=True) -> list[d
 def function_check() -> dict:
     """No CUDA: the Triton kernels (interpreted) against the references at small sizes."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from kernels.paged_cache.decode import decode_reference, decode_triton
-    from kernels.paged_cache.pool import PagePool
-    from kernels.paged_cache.writer import write_tokens
+    from quantmla_kernels.paged_cache.decode import decode_triton
+    from quantmla_kernels.paged_cache.pool import PagePool
+    from quantmla_kernels.paged_cache.reference import decode_reference
+    from quantmla_kernels.paged_cache.writer import write_tokens
+
     from quantmla.memory import layout
 
     out = {}

@@ -2,7 +2,7 @@
 
 `PackedLatentLayer` is a transformers cache layer whose tokens live in one `PagePool` per layer
 (one request per batch row): nothing is kept in BF16 but the protection buffers. The patched MLA
-forward (quantmla/simulator.py) hands a layer to `packed_attention` when the policy says
+forward (`quantmla.simulator`) hands a layer to `packed_attention` when the policy says
 `backend=packed`: a plain `DynamicLayer` is upgraded in place on first use, so `model.generate`
 (and lm-eval's HFLM) need no special cache object.
 
@@ -18,13 +18,16 @@ import math
 import os
 
 import torch
+from quantmla_kernels.paged_cache.decode import decode_triton
+from quantmla_kernels.paged_cache.layout import check_packable
+from quantmla_kernels.paged_cache.pool import PagePool
+from quantmla_kernels.paged_cache.reference import decode_reference
+from quantmla_kernels.paged_cache.writer import write_tokens
 from transformers.cache_utils import DynamicLayer
 
-from kernels.paged_cache.decode import decode_reference, decode_triton
-from kernels.paged_cache.pool import PagePool
-from kernels.paged_cache.writer import check_packable, write_tokens
+from quantmla.attention import attention_output, cache_regions
 from quantmla.errors import ConfigError
-from quantmla.memory import PAGE_TOKENS, CacheLayout
+from quantmla.memory import CacheLayout
 
 
 def resolve_kernel(kernel: str, device: torch.device) -> str:
@@ -43,7 +46,7 @@ class PackedLatentLayer(DynamicLayer):
 
     def setup(self, layout: CacheLayout, batch: int, first_tokens: int, device, kernel: str, dtype):
         check_packable(layout)
-        pages = batch * (math.ceil(first_tokens / PAGE_TOKENS) + 1)
+        pages = batch * (math.ceil(first_tokens / layout.page_tokens) + 1)
         self.pool = PagePool(layout, pages, device=device, protection_dtype=dtype)
         for request in range(batch):
             self.pool.add_request(request)
@@ -53,7 +56,8 @@ class PackedLatentLayer(DynamicLayer):
     def append(self, c: torch.Tensor, k_r: torch.Tensor) -> None:
         """Pack (B, n, d_c) / (B, n, d_r) into each request's pages (the pool grows as needed)."""
         n = c.shape[1]
-        needed = self.batch * math.ceil((self.tokens + n) / PAGE_TOKENS) - self.pool.pages_in_use()
+        page = self.pool.layout.page_tokens
+        needed = self.batch * math.ceil((self.tokens + n) / page) - self.pool.pages_in_use()
         if needed > len(self.pool.free):
             self.pool.grow(max(needed - len(self.pool.free), self.pool.n_pages))
         for request in range(self.batch):
@@ -114,9 +118,6 @@ def packed_layer(cache, layer_idx: int) -> PackedLatentLayer:
 
 def packed_attention(module, patch, proj, cache, allowed, layout: CacheLayout):
     """Post-`o_proj` output of a patched MLA module whose cache is packed."""
-    from quantmla.attention import attention_output
-    from quantmla.simulator import _regions
-
     policy, adapter, geometry = patch.policy, patch.adapter, patch.geometry
     layer = packed_layer(cache, module.layer_idx)
     c, k_rot = proj.c, proj.k_rot
@@ -128,7 +129,7 @@ def packed_attention(module, patch, proj, cache, allowed, layout: CacheLayout):
     if layer.tokens == 0:  # prefill: the simulator's math on the prompt's own rows, then pack them
         layer.setup(layout, b, n, c.device, resolve_kernel(policy.kernel, c.device), c.dtype)
         q_slots = torch.arange(n, device=c.device)
-        regions = _regions(policy, c, k_rot, allowed, q_slots)
+        regions = cache_regions(policy, c, k_rot, allowed, q_slots)
         out = attention_output(
             module, adapter, proj.q_nope, proj.q_rot, regions, policy.form, geometry
         )

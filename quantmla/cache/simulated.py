@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from quantmla.quant import qdq_content, qdq_rope
 from quantmla.spec import QuantizerSpec
 
 
@@ -35,10 +36,13 @@ class DequantizedLatentLayer(DynamicLayer):
             and self.keys_hat.shape[-2] + n == total
         )
         if in_step:
-            self.keys_hat = torch.cat([self.keys_hat, spec.qdq_content(new_keys)], dim=-2)
-            self.values_hat = torch.cat([self.values_hat, spec.qdq_rope(new_values)], dim=-2)
+            self.keys_hat = torch.cat([self.keys_hat, qdq_content(spec, new_keys)], dim=-2)
+            self.values_hat = torch.cat([self.values_hat, qdq_rope(spec, new_values)], dim=-2)
         else:
-            self.keys_hat, self.values_hat = spec.qdq_content(self.keys), spec.qdq_rope(self.values)
+            self.keys_hat, self.values_hat = (
+                qdq_content(spec, self.keys),
+                qdq_rope(spec, self.values),
+            )
         self.hat_spec = spec
         return self.keys_hat, self.values_hat
 

@@ -17,7 +17,12 @@ from __future__ import annotations
 import torch
 from torch.func import jvp, vjp, vmap
 
-from quantmla.evaluation.layer_study import PATH_NAMES, qdq_error, rescale_to_nmse, run_study
+from quantmla.evaluation.studies.layer_study import (
+    PATH_NAMES,
+    qdq_error,
+    rescale_to_nmse,
+    run_study,
+)
 
 INTERVENTIONS = ("signs", "permutation", "isotropic")
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from quantmla.evaluation.suites import CODE_EVAL_ENV
+from quantmla.evaluation.lm_eval.suites import CODE_EVAL_ENV
 
 HARNESS = Path(__file__).with_name("sandbox_harness.py")
 

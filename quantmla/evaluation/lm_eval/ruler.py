@@ -1,12 +1,12 @@
 """eval.kind=ruler: RULER S-NIAH-1/2/3 (Fig. 4) through lm-eval's `niah_single_*` tasks.
 
-With eval.data=local (default) the samples come from quantmla.evaluation.niah (local essays, the
+With eval.data=local (default) the samples come from quantmla.evaluation.lm_eval.niah (local essays, the
 model's tokenizer, `eval.limit` samples per length, default 500 as in the paper); greedy decoding
 through the prepared model's cache."""
 
 from __future__ import annotations
 
-from quantmla.evaluation.suites import RULER_TASKS, data_mode
+from quantmla.evaluation.lm_eval.suites import RULER_TASKS, data_mode
 
 PAPER_SAMPLES = 500
 
@@ -29,7 +29,7 @@ def import_upstream_ruler_quietly() -> None:
 
 def evaluate(cfg, prepared) -> dict:
     """ruler/<task>/<length> and ruler/<task>/avg: string-match accuracy in %."""
-    from quantmla.evaluation.lm_eval_suite import run_lm_eval
+    from quantmla.evaluation.lm_eval.runner import run_lm_eval
 
     ev = cfg.eval
     import_upstream_ruler_quietly()

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 
-from quantmla.evaluation.suites import TASKS, TASKS_DIR, data_mode
+from quantmla.evaluation.lm_eval.suites import TASKS, TASKS_DIR, data_mode
 
 
 def task_manager(metadata: dict):
-    """lm-eval's index of its own tasks plus the project's (quantmla/evaluation/lm_tasks);
+    """lm-eval's index of its own tasks plus the project's (quantmla/evaluation/lm_eval/tasks);
     `metadata` reaches every task's `custom_dataset` (e.g. data_dir)."""
     from lm_eval.tasks import TaskManager
 

@@ -1,7 +1,7 @@
 """The lm-eval tasks of Tables 1 and 2 and of Fig. 4 (light: no lm-eval import).
 
 Each column names the upstream lm-eval task it runs and the paper's metric; tasks whose documents
-are in the local data folder also name the project task (quantmla/evaluation/lm_tasks/) that runs
+are in the local data folder also name the project task (quantmla/evaluation/lm_eval/tasks/) that runs
 the same upstream task on them. `eval.data=local` (default) uses those, `eval.data=hub` the
 upstream documents."""
 
@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantmla.errors import ConfigError, DataNotFoundError
+from quantmla.paths import hub_offline
 
-TASKS_DIR = Path(__file__).parent / "lm_tasks"
+TASKS_DIR = Path(__file__).parent / "tasks"
 CODE_EVAL_ENV = "HF_ALLOW_CODE_EVAL"  # lm-eval's own opt-in for executing model-written code
 
 
@@ -125,11 +126,6 @@ RULER_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)  # th
 DATA_MODES = ("local", "hub")
 
 
-def _offline() -> bool:
-    flags = (os.environ.get(k, "").lower() for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-    return any(f in ("1", "true", "yes", "on") for f in flags)
-
-
 def _in_hub_cache(repo: str) -> bool:
     """Whether the datasets hub cache already holds `repo` (so it loads offline)."""
     from huggingface_hub.constants import HF_HUB_CACHE
@@ -177,7 +173,7 @@ def check_lm_eval(ev, max_positions: int | None, data_dir) -> None:
             f"tasks that do not execute model-written code, or opt in with {CODE_EVAL_ENV}=1 "
             "(runs it in a subprocess with time/memory limits and no network)",
         )
-    if _offline():
+    if hub_offline():
         for name in ev.tasks:
             task = TASKS[name]
             if task.spec(data_mode(ev, data_dir)) == task.upstream and not _in_hub_cache(task.hub):
@@ -188,8 +184,25 @@ def check_lm_eval(ev, max_positions: int | None, data_dir) -> None:
                 )
 
 
+def check(cfg, job) -> None:
+    """eval.kind=lm_eval / ruler: the suite's fields, the data it reads, the packed cache's limit."""
+    from quantmla.data.sources import resolve_data_dir
+
+    data_dir = resolve_data_dir(job.paths.data_dir)
+    check_lm_eval(cfg.eval, getattr(job.model_config, "max_position_embeddings", None), data_dir)
+    if job.policy.backend == "packed" and cfg.eval.batch_size > 1:
+        raise ConfigError(
+            "eval.batch_size",
+            cfg.eval.batch_size,
+            "1 with cache.backend=packed (lm-eval left-pads batched prompts; the packed cache "
+            "has no per-request start offset yet)",
+        )
+    if cfg.eval.kind == "ruler" and data_mode(cfg.eval, data_dir) == "local":
+        check_essays(job.paths.data_dir)
+
+
 def check_essays(data_dir) -> None:
-    from quantmla.evaluation.niah import essays_folder
+    from quantmla.evaluation.lm_eval.niah import essays_folder
 
     folder = essays_folder(data_dir)
     if not any(folder.glob("*.txt")):

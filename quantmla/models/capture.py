@@ -15,11 +15,14 @@ working set. The tiny model (6 layers, hidden 256, 160 × 512 tokens, fp32): 84 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
+
+from quantmla.metrics import nmse
 
 
 def map_position_embeddings(pe, fn):
@@ -97,3 +100,39 @@ def capture_inputs(
         for h in hooks:
             h.remove()
     return store
+
+
+@dataclass
+class OutputNMSE:
+    """Per-layer attention-output NMSE of a quantized cache: every layer fed the *teacher's*
+    inputs, so each number isolates that layer's cache error (post-o_proj, protection on)."""
+
+    store: ActivationStore
+    teacher: list[torch.Tensor]
+
+    @staticmethod
+    def _outputs(modules, store: ActivationStore) -> list[torch.Tensor]:
+        outs = []
+        with torch.no_grad():
+            for i, module in enumerate(modules):
+                device = module.o_proj.weight.device
+                pe = map_position_embeddings(
+                    store.position_embeddings[i], lambda p, d=device: p.to(d)
+                )
+                h = store.inputs[i].to(device)
+                outs.append(
+                    module(hidden_states=h, position_embeddings=pe, attention_mask=None)[0]
+                    .float()
+                    .cpu()
+                )
+        return outs
+
+    @classmethod
+    def capture(cls, model, modules, sequences: torch.Tensor, batch_size: int = 4) -> OutputNMSE:
+        """Teacher inputs and outputs, with the model as it is now (call with quantization off)."""
+        store = capture_inputs(model, modules, sequences, batch_size)
+        return cls(store, cls._outputs(modules, store))
+
+    def measure(self, modules) -> list[float]:
+        outputs = self._outputs(modules, self.store)
+        return [float(nmse(o, t)) for o, t in zip(outputs, self.teacher)]

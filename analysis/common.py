@@ -1,0 +1,62 @@
+"""What the table and figure builders share: the results store's default root, output names of
+an artifact's twins, the per-cell label of a study record, and byte-deterministic figure saving."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+MODEL_ORDER = (
+    "deepseek_v2_lite",
+    "deepseek_v3_base",
+    "deepseek_r1",
+    "kimi_k2_instruct",
+    "longcat_flash_lite",
+    "glm_4_7_flash",
+)
+# Fixed metadata: matplotlib otherwise stamps the creation date (PDF) and its version (both).
+DETERMINISTIC = {
+    "pdf": {"CreationDate": None, "Producer": None, "Creator": None},
+    "png": {"Software": None},
+}
+
+
+def default_results_dir() -> Path:
+    """The results store of the default `paths` config (`paths.results_dir` under `paths.root`)."""
+    from quantmla.config import PathsConfig
+    from quantmla.paths import Paths
+
+    return Paths.from_config(PathsConfig()).results_dir
+
+
+def output_name(name: str, experiment: str, default: str) -> str:
+    """`name` for the paper's experiment; its twin's name otherwise (tiny_fig2_sensitivity → tiny_fig6_…)."""
+    if experiment == default:
+        return name
+    return experiment.replace(default, name) if default in experiment else f"{experiment}_{name}"
+
+
+def cell(record: dict) -> str:
+    """A study record's cell: dataset × seed."""
+    c = record["config"]
+    return f"{c['eval']['datasets'][0]}/seed{c['seed']}"
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    return pyplot
+
+
+def save(fig, out: Path, stem: str) -> list[Path]:
+    """PNG + PDF without timestamps or version stamps (byte-identical when nothing changed)."""
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{stem}.png", out / f"{stem}.pdf"]
+    for p in paths:
+        fig.savefig(p, dpi=150, metadata=DETERMINISTIC[p.suffix[1:]])
+    pyplot().close(fig)
+    return paths

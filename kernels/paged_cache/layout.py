@@ -1,0 +1,69 @@
+"""The packed layout as the kernels see it: the two cached paths, whether a layout can be packed,
+and the compile-time constants (dims, bits, metadata bytes, page size, section offsets), all read
+from the one `quantmla.memory.CacheLayout`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quantmla.errors import ConfigError
+from quantmla.memory import CacheLayout
+from quantmla.quant import PACKABLE_BITS
+
+
+@dataclass(frozen=True)
+class Path:
+    """One cached path (content latent or RoPE key) in a layout."""
+
+    name: str  # "content" | "rope"
+    dim: int
+    bits: int
+    meta_dtype: torch.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dim * self.bits // 8
+
+
+def paths(layout: CacheLayout) -> tuple[Path, Path]:
+    s = layout.spec
+    return (
+        Path("content", layout.d_c, s.content_bits, getattr(torch, s.content_meta_dtype)),
+        Path("rope", layout.d_r, s.rope_bits, getattr(torch, s.rope_meta_dtype)),
+    )
+
+
+def check_packable(layout: CacheLayout) -> None:
+    """One line for a layout the packed cache cannot hold."""
+    s = layout.spec
+    for path in paths(layout):
+        if path.bits not in PACKABLE_BITS:
+            raise ConfigError(
+                f"{path.name} bits (precision {s.precision})",
+                path.bits,
+                f"{PACKABLE_BITS} for the packed cache (16-bit paths: cache.backend=simulator)",
+            )
+        if path.dim % s.group_size:
+            raise ConfigError(
+                "group_size", s.group_size, f"a divisor of {path.name} dim {path.dim}"
+            )
+
+
+def layout_constants(layout: CacheLayout) -> dict:
+    """The kernels' compile-time description of a layout: dims, bits, metadata bytes and each
+    section's byte offset inside a page."""
+    check_packable(layout)
+    content, rope = paths(layout)
+    if torch.float16 in (content.meta_dtype, rope.meta_dtype):
+        raise ConfigError("metadata dtype (Triton kernels)", "float16", ("bfloat16", "float32"))
+    sec = layout.sections()
+    out = {"D_C": layout.d_c, "D_R": layout.d_r, "GROUP": layout.spec.group_size}
+    out["PAGE_BYTES"] = layout.page_bytes()
+    for prefix, path in (("C", content), ("R", rope)):
+        out[f"{prefix}_BITS"] = path.bits
+        out[f"{prefix}_META"] = path.meta_dtype.itemsize
+        for kind in ("codes", "scales", "zeros"):
+            out[f"{prefix}_{kind.upper()}"] = sec[f"{path.name}_{kind}"][0]
+    return out

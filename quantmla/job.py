@@ -1,0 +1,154 @@
+"""Validation resolves a job once: `resolve(cfg) -> Job` checks every field that needs no model (one
+line naming the field, the value and what is allowed) and returns what every later stage reads —
+the evaluator, the roots, the cache policy, the model's published config, the weights fingerprint,
+the record's config and path — so `prepare` and the evaluators never re-derive them.
+
+Each `eval.kind` reads only its own `eval.*` fields (`quantmla.evaluation.registry`): the job's
+`cfg.eval` holds just those, and the record's config (so its hash) covers just those. Records made
+before that rule hashed the whole `eval` block: `python -m quantmla.migrate` re-keys such a store.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import SimpleNamespace
+
+from quantmla.config import DTYPES, LOGGERS
+from quantmla.errors import ConfigError, DataNotFoundError, NotImplementedYet
+from quantmla.paths import Paths, hub_offline, local_config_json
+from quantmla.policy import CachePolicy
+
+
+@dataclass(frozen=True)
+class Job:
+    """One validated job. `cfg.eval` is narrowed to the kind's own fields (reading another raises)."""
+
+    cfg: object  # RunConfig (or GenerateConfig)
+    evaluator: object  # quantmla.evaluation.registry.Evaluator
+    paths: Paths
+    policy: CachePolicy
+    model_config: SimpleNamespace | None  # published config fields; None for a hub id
+    weights: str | None  # weights fingerprint of a local checkpoint (None for a hub id)
+    config: dict  # the record's resolved config
+    record_path: Path
+
+
+def eval_fields(evaluator) -> tuple[str, ...]:
+    return ("kind", *evaluator.fields)
+
+
+def narrow_eval(config: dict) -> dict:
+    """A resolved config dict with its `eval` block cut to the kind's own fields (the record form)."""
+    from quantmla.evaluation.registry import EVALUATORS
+
+    block = config["eval"]
+    evaluator = EVALUATORS.get(block["kind"])
+    if evaluator is None:
+        raise ConfigError("eval.kind", block["kind"], tuple(EVALUATORS))
+    return {**config, "eval": {k: block[k] for k in eval_fields(evaluator) if k in block}}
+
+
+def check_writable(path: Path, field_name: str) -> None:
+    """Create `path` if needed and prove a file can be written in it (before any heavy work)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise ConfigError(
+            field_name, str(path), f"a writable folder ({err.strerror or err})"
+        ) from None
+
+
+def resolve(cfg) -> Job:
+    """Every check that needs no model, then the resolved job. An evaluator that is not implemented
+    yet stops last, so a sweep's every other field is still checked."""
+    from omegaconf import OmegaConf
+
+    from quantmla.evaluation.registry import EVALUATORS
+    from quantmla.methods.registry import METHODS
+    from quantmla.tracking.store import record_path, weights_fingerprint
+
+    policy = CachePolicy.from_config(cfg)
+    method = METHODS.get(cfg.method.name)
+    if method is None:
+        raise ConfigError("method.name", cfg.method.name, tuple(METHODS))
+    calibrates = method.calibrated and not cfg.method.artifact
+    if calibrates and cfg.method.calibration is None:
+        raise ConfigError(
+            "method.calibration", None, "a calibration block (see conf/method/quantmla.yaml)"
+        )
+    if cfg.model.dtype not in DTYPES:
+        raise ConfigError("model.dtype", cfg.model.dtype, DTYPES)
+    evaluator = EVALUATORS.get(cfg.eval.kind)
+    if evaluator is None:
+        raise ConfigError("eval.kind", cfg.eval.kind, tuple(EVALUATORS))
+    if cfg.logger.name not in LOGGERS:
+        raise ConfigError("logger.name", cfg.logger.name, LOGGERS)
+    paths = Paths.from_config(cfg.paths)
+    check_writable(paths.results_dir, "paths.results_dir")
+    if calibrates and evaluator.needs_model:
+        check_writable(paths.artifacts_dir, "paths.artifacts_dir")
+    if evaluator.needs_data:
+        from quantmla.data.sources import resolve_data_dir
+
+        resolve_data_dir(paths.data_dir)
+    model_config = model_config_without_weights(cfg, paths)
+    narrowed = replace(
+        cfg, eval=SimpleNamespace(**{k: getattr(cfg.eval, k) for k in eval_fields(evaluator)})
+    )
+    partial = Job(narrowed, evaluator, paths, policy, model_config, None, {}, Path())
+    evaluator.run_checks(narrowed, partial)
+    if model_config is not None:
+        policy.check_dims(model_config.kv_lora_rank, model_config.qk_rope_head_dim)
+    elif not evaluator.needs_model:
+        raise ConfigError(
+            "model.config",
+            None,
+            f"a published config.json (eval.kind={evaluator.kind} reads only the config)",
+        )
+    if not evaluator.implemented:
+        raise NotImplementedYet(
+            f"eval.kind={cfg.eval.kind!r} is not implemented yet ({evaluator.description}); "
+            f"implemented: {', '.join(k for k, e in EVALUATORS.items() if e.implemented)}"
+        )
+    if evaluator.needs_model:  # the environment, after every field
+        check_checkpoint_reachable(cfg, paths)
+    config = narrow_eval(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+    weights = weights_fingerprint(paths.checkpoint(cfg.model.path))
+    # the weights are part of the job: a retrained checkpoint under the same path is a new record
+    config["model"]["weights"] = weights
+    path = record_path(paths.results_dir, cfg.experiment_name, config)
+    return replace(partial, weights=weights, config=config, record_path=path)
+
+
+def check_checkpoint_reachable(cfg, paths: Paths) -> None:
+    """A hub id with the hub unreachable must already be in the local cache: else one line now,
+    not a download error after the data is loaded."""
+    if local_config_json(paths.checkpoint(cfg.model.path)) is not None or not hub_offline():
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    if not isinstance(try_to_load_from_cache(cfg.model.path, "config.json"), str):
+        raise DataNotFoundError(
+            f"model.path={cfg.model.path!r} is a hub id, the hub is unreachable and it is not in "
+            "the local cache; set model.path=<checkpoint folder> (e.g. in conf/local/default.yaml)"
+        )
+
+
+def model_config_without_weights(cfg, paths: Paths) -> SimpleNamespace | None:
+    """The model's published config fields (attribute access, no transformers import) from its local
+    checkpoint's config.json, else from `model.config`, else None (a hub id: checked when it loads).
+    A local path without config.json stops here."""
+    found = local_config_json(paths.checkpoint(cfg.model.path))
+    if found is None and cfg.model.config:
+        found = paths.resolve(cfg.model.config)
+        if not found.is_file():
+            raise DataNotFoundError(
+                f"model.config={cfg.model.config!r}: no file at {found}; point it at a config.json "
+                "or set it to null"
+            )
+    return SimpleNamespace(**json.loads(found.read_text())) if found is not None else None
