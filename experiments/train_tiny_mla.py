@@ -11,7 +11,6 @@ held-out loss.
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,21 +22,9 @@ from hydra.core.config_store import ConfigStore
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import OmegaConf
 
-from quantmla.data import document_stream, load_documents
+from experiments.training import TinyModelConfig, adamw, training_documents, warmup_cosine
+from quantmla.data import document_stream
 from quantmla.models.tiny import tiny_mla_config, train_tokenizer
-
-
-@dataclass
-class TinyModelConfig:
-    hidden_size: int = 256
-    num_layers: int = 6
-    num_heads: int = 4
-    kv_lora_rank: int = 128
-    qk_nope_head_dim: int = 64
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 64
-    intermediate_size: int = 768
-    max_position_embeddings: int = 2048
 
 
 @dataclass
@@ -82,35 +69,14 @@ class TinyLM(L.LightningModule):
         self.log("heldout/loss", self.model(input_ids=batch, labels=batch).loss, prog_bar=True)
 
     def configure_optimizers(self):
-        decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
-        no_decay = [p for n, p in self.model.named_parameters() if p.ndim < 2]
-        opt = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": self.cfg.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=self.cfg.lr,
-            betas=(0.9, 0.95),
-        )
         cfg = self.cfg
+        opt = adamw(self.model, cfg.lr, cfg.weight_decay)
 
         def schedule(step: int) -> float:
-            if step < cfg.warmup_steps:
-                return (step + 1) / cfg.warmup_steps
-            progress = min(
-                1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-            )
-            return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (
-                1 + math.cos(math.pi * progress)
-            )
+            return warmup_cosine(step, 1.0, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
-def training_documents(data_dir: str | None) -> list[str]:
-    """C4 train slice (never its eval slice) and GSM8K train: the only text the tiny model sees."""
-    return load_documents("c4", "train", data_dir) + load_documents("gsm8k", "train", data_dir)
 
 
 def token_windows(docs: list[str], tokenizer, seq_len: int) -> torch.Tensor:

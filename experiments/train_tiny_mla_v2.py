@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import random
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from experiments.train_tiny_mla import TinyModelConfig, training_documents
+from experiments.training import TinyModelConfig, adamw, training_documents, warmup_cosine
 from quantmla.data import document_stream
 from quantmla.data.retrieval import (
     RetrievalSampler,
@@ -112,12 +111,7 @@ def lr_at(cfg: TrainV2Config, step: int) -> float:
     if stage_lr is not None:
         return stage_lr
     horizon = cfg.schedule_steps or total_steps(cfg)
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, horizon - cfg.warmup_steps))
-    return cfg.lr * (
-        cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    )
+    return warmup_cosine(step, cfg.lr, cfg.warmup_steps, horizon, cfg.min_lr_ratio)
 
 
 def validate(cfg: TrainV2Config) -> None:
@@ -280,16 +274,7 @@ def build_model(cfg: TrainV2Config, tokenizer):
 
 
 def make_optimizer(model, cfg: TrainV2Config) -> torch.optim.AdamW:
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    return torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=cfg.lr,
-        betas=(0.9, 0.95),
-    )
+    return adamw(model, cfg.lr, cfg.weight_decay)
 
 
 STATE = "training_state"
