@@ -1,4 +1,4 @@
-"""Aggregates of the operator analysis (SPEC §8) from its per-cell records: Tables 5 and 6, Fig. 7.
+"""Aggregates of the operator analysis (docs/method.md §8) from its per-cell records: Tables 5 and 6, Fig. 7.
 
 Points are (model, cell, layer). Target y = log(G_P/G_C); predictors, each with its own intercept
 fitted on the fit set and applied unchanged to the evaluation set:

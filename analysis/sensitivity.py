@@ -1,4 +1,4 @@
-"""Aggregates of the sensitivity study (SPEC §7) from its per-cell records: Table 4, Fig. 2, Fig. 6.
+"""Aggregates of the sensitivity study (docs/method.md §7) from its per-cell records: Table 4, Fig. 2, Fig. 6.
 
 Per model: R̄_{b,ℓ} = mean over cells of R_{b,ℓ}; min/max cell envelopes; layer ratio
 r_ℓ = R̄_{P,ℓ} / R̄_{C,ℓ}; model ratio = mean_ℓ R̄_P / mean_ℓ R̄_C (not the mean of r_ℓ);

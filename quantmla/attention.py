@@ -1,4 +1,4 @@
-"""MLA attention over a mixed-precision latent cache, in expanded or absorbed form (SPEC §1, §5).
+"""MLA attention over a mixed-precision latent cache, in expanded or absorbed form (docs/method.md §1, §5).
 
 The cache holds, per layer, the latent `C` (T × d_c) and the RoPE key `K_R` (T × d_r) twice: as
 written (BF16/model dtype) and quantize-dequantized. Query t reads token j from the unquantized
@@ -47,7 +47,7 @@ def softmax_partial(
 
 
 def merge_partials(*parts: SoftmaxPartial) -> torch.Tensor:
-    """Online-softmax merge (SPEC §5): m = max mᵢ, ℓ = Σ e^{mᵢ−m} ℓᵢ, o = Σ e^{mᵢ−m} oᵢ / ℓ.
+    """Online-softmax merge (docs/method.md §5): m = max mᵢ, ℓ = Σ e^{mᵢ−m} ℓᵢ, o = Σ e^{mᵢ−m} oᵢ / ℓ.
 
     Empty regions (m = −inf) weigh zero; a row empty in every region returns zeros.
     """

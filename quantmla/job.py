@@ -101,10 +101,10 @@ def resolve(cfg) -> Job:
         cfg, eval=SimpleNamespace(**{k: getattr(cfg.eval, k) for k in eval_fields(evaluator)})
     )
     partial = Job(narrowed, evaluator, paths, policy, model_config, None, {}, Path())
-    evaluator.run_checks(narrowed, partial)
     if model_config is not None:
         policy.check_dims(model_config.kv_lora_rank, model_config.qk_rope_head_dim)
-    elif not evaluator.needs_model:
+    evaluator.run_checks(narrowed, partial)
+    if model_config is None and not evaluator.needs_model:
         raise ConfigError(
             "model.config",
             None,
@@ -134,7 +134,7 @@ def check_checkpoint_reachable(cfg, paths: Paths) -> None:
 
     if not isinstance(try_to_load_from_cache(cfg.model.path, "config.json"), str):
         raise DataNotFoundError(
-            f"model.path={cfg.model.path!r} is a hub id, the hub is unreachable and it is not in "
+            f"model.path={cfg.model.path!r} is a hub id, the hub is offline (unreachable) and it is not in "
             "the local cache; set model.path=<checkpoint folder> (e.g. in conf/local/default.yaml)"
         )
 

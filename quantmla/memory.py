@@ -1,4 +1,4 @@
-"""Persistent KV-cache memory of the paged, packed MLA cache (SPEC §6; paper Fig. 5a, App. C.5).
+"""Persistent KV-cache memory of the paged, packed MLA cache (docs/method.md §6; paper Fig. 5a, App. C.5).
 
 The paper states only totals (20,480 B per C4R4 page of 64 tokens, 132 × 576 × 2 B of BF16
 protection per request and layer, 8 B of reverse page map per physical page). The per-token

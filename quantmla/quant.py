@@ -1,4 +1,4 @@
-"""The quantizer (SPEC §2): per-token asymmetric affine, groups of `group_size` along the last axis.
+"""The quantizer (docs/method.md §2): per-token asymmetric affine, groups of `group_size` along the last axis.
 
 For a group x and b bits: m = 2^b - 1, lo = min(min x, 0), hi = max(max x, 0), s = (hi - lo)/m,
 z = round(-lo / s), q = clamp(round(x/s) + z, 0, m), x̂ = (q - z)·s, round-half-to-even.

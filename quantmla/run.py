@@ -135,6 +135,8 @@ def main() -> None:
         return
     from quantmla.cli import hydra_app, route_precision
 
+    _running.clear()
+    _running["written"] = 0
     sys.argv[1:] = route_precision(argv)
     try:
         hydra_app("config", run)

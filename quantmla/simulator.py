@@ -1,5 +1,5 @@
 """The absorbed-MLA cache simulator: `patch_model` makes every MLA attention module read its latent
-cache through the quantizer under a sink/recent protection policy (SPEC §5).
+cache through the quantizer under a sink/recent protection policy (docs/method.md §5).
 
 The transformers cache keeps storing the unquantized latent `c` and RoPE key `k_R` (the BF16
 protection copies). Quantization is per token and deterministic, so prefill and token-by-token

@@ -1,4 +1,4 @@
-"""The two path analyses (SPEC §7–§8) against explicit float64 references on a layer small enough
+"""The two path analyses (docs/method.md §7–§8) against explicit float64 references on a layer small enough
 for its whole Jacobian, their bad inputs, and the aggregates built from their records."""
 
 import numpy as np
@@ -145,8 +145,8 @@ def test_too_few_probes_stop(tmp_path):
 
 
 def test_hub_checkpoint_offline_stops_in_one_line(tmp_path, monkeypatch):
-    from quantmla.job import resolve as validate
     from quantmla.errors import DataNotFoundError
+    from quantmla.job import resolve as validate
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(

@@ -7,9 +7,9 @@ import torch
 from omegaconf import OmegaConf
 
 from quantmla.config import RunConfig
-from quantmla.job import resolve as validate
 from quantmla.data import load_text
 from quantmla.errors import QuantMLAError
+from quantmla.job import resolve as validate
 from quantmla.models.adapters import get_adapter
 from quantmla.models.loading import config_from_dict, load_pretrained
 from quantmla.policy import CachePolicy

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from quantmla.errors import ConfigError, QuantMLAError
 from quantmla.cli import route_precision
+from quantmla.errors import ConfigError, QuantMLAError
 from quantmla.run import run
 from quantmla.tracking import store
 from tests.conftest import REPO, needs_tiny, run_config, tiny_job
@@ -143,7 +143,8 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, monkeypatch, capsys):
     assert info.value.code == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
-    assert "interrupted: tiny_mla c4r4 rtn (perplexity); 1 record(s) complete" in err[0]
+    # the earlier job's record in the folder is not this command's work (it used to be counted)
+    assert "interrupted: tiny_mla c4r4 rtn (perplexity); this command completed 0 record(s)" in err[0]
     assert "rerun the same command to resume" in err[0]
 
 

@@ -7,7 +7,7 @@ from quantmla.quant import dequantize, pack, quantize, quantize_dequantize, unpa
 
 
 def reference_qdq(x: np.ndarray, bits: int, g: int):
-    """Independent float64 reference of SPEC §2 with the range widened to include 0 (numpy's
+    """Independent float64 reference of docs/method.md §2 with the range widened to include 0 (numpy's
     round is half-to-even)."""
     xg = x.astype(np.float64).reshape(-1, g)
     m = 2**bits - 1
@@ -61,7 +61,7 @@ def test_constant_groups_reconstruct_without_nan(value, meta):
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_zero_point_is_an_integer_in_code_range_for_groups_of_one_sign(bits):
-    """Where SPEC §2's z = round(-min/s) would leave [0, m] (a group of one sign), the widened
+    """Where docs/method.md §2's z = round(-min/s) would leave [0, m] (a group of one sign), the widened
     range keeps it there (one stored byte) and the error within half a step."""
     gen = torch.Generator().manual_seed(bits)
     x = torch.cat([torch.rand(3, 64, generator=gen) + 5, -(torch.rand(3, 64, generator=gen) + 5)])

@@ -9,9 +9,9 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from quantmla.job import resolve as validate
 from quantmla.errors import DataNotFoundError, NotImplementedYet
 from quantmla.evaluation.registry import EVALUATORS
+from quantmla.job import resolve as validate
 from quantmla.run import run
 from quantmla.tracking import store
 from tests.conftest import DATA_DIR, REPO, compose_run, needs_tiny

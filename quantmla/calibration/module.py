@@ -1,4 +1,4 @@
-"""QuantMLA calibration as one Lightning fit over all layers (SPEC §4).
+"""QuantMLA calibration as one Lightning fit over all layers (docs/method.md §4).
 
 Trainable parameters are the transforms only: per layer a Cayley parameter P (R_C = cayley(P),
 identity at P = 0) and log s_C; per RoPE pair an angle θ_i and log s_i. Scales are

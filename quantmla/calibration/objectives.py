@@ -1,4 +1,4 @@
-"""Path-isolated quantization in transformed coordinates, and the calibration objectives (SPEC §3–4).
+"""Path-isolated quantization in transformed coordinates, and the calibration objectives (docs/method.md §3–4).
 
 Everything here is the *unfused* functional form of a transformed model: the content cache is
 z = u R_C S_C with u = c Γ⁻¹ and the consumers see ĉ = Q(z) S_C⁻¹ R_Cᵀ Γ; the RoPE cache is

@@ -5,30 +5,34 @@ from __future__ import annotations
 
 import math
 
-import torch
-import torch.nn.functional as F
-from tqdm.auto import tqdm
+# torch is imported inside the functions: `check` runs during validation, before anything heavy
 
 
-@torch.no_grad()
-def perplexity(
-    model, windows: torch.Tensor, batch_size: int = 4, desc: str = "perplexity"
-) -> float:
+def perplexity(model, windows, batch_size: int = 4, desc: str = "perplexity") -> float:
     """exp(Σ NLL / #predicted tokens); each window of L tokens predicts its last L−1 tokens."""
+    import torch
+    import torch.nn.functional as F
+    from tqdm.auto import tqdm
+
     device = next(model.parameters()).device
     total, count = 0.0, 0
-    for batch in tqdm(windows.split(batch_size), desc=desc, leave=False):
-        batch = batch.to(device)
-        logits = model(batch).logits[:, :-1]
-        nll = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum")
-        total += float(nll)
-        count += batch[:, 1:].numel()
+    with torch.no_grad():
+        for batch in tqdm(windows.split(batch_size), desc=desc, leave=False):
+            batch = batch.to(device)
+            logits = model(batch).logits[:, :-1]
+            nll = F.cross_entropy(
+                logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum"
+            )
+            total += float(nll)
+            count += batch[:, 1:].numel()
     return math.exp(total / count)
 
 
-def unigram_perplexity(windows: torch.Tensor) -> float:
+def unigram_perplexity(windows) -> float:
     """exp(entropy) of the predicted tokens' own unigram distribution: the perplexity a model that
     knew only the evaluation text's token frequencies (and no context) would reach."""
+    import torch
+
     counts = torch.bincount(windows[:, 1:].flatten()).double()
     p = counts[counts > 0] / counts.sum()
     return math.exp(float(-(p * p.log()).sum()))

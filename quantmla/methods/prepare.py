@@ -25,7 +25,7 @@ def _tensor_sha(t: torch.Tensor) -> str:
 
 
 def calibration_sequences(cfg, paths, tokenizer) -> tuple[torch.Tensor, int]:
-    """(calibration + held-out token windows, number of calibration windows), seeded (SPEC §4)."""
+    """(calibration + held-out token windows, number of calibration windows), seeded (docs/method.md §4)."""
     cal = cfg.method.calibration
     ids = tokenize(load_text(cal.dataset, cal.split, paths.data_dir), tokenizer)
     split = calibration_split(

@@ -1,4 +1,4 @@
-"""QuantMLA (SPEC §4): α-searched initial scales (the configured α list; conf/method/quantmla.yaml
+"""QuantMLA (docs/method.md §4): α-searched initial scales (the configured α list; conf/method/quantmla.yaml
 includes α = 0, ties → smaller α), then one Lightning fit of every layer's content and RoPE
 transforms, best held-out checkpoint per layer and path."""
 

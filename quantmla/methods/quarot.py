@@ -1,4 +1,4 @@
-"""QuaRot† (SPEC §4): a fixed normalised Hadamard H_C on the content latent in weightless-normalised
+"""QuaRot† (docs/method.md §4): a fixed normalised Hadamard H_C on the content latent in weightless-normalised
 coordinates (fused offline: z_C = u H_C, unit scales, Γ moved to the consumers) and a fixed
 post-RoPE Hadamard H_P on the positional query and key, run online by the simulator."""
 

@@ -1,4 +1,4 @@
-"""SmoothQuant† (SPEC §4): per-channel scales from 99.9th-percentile statistics, α chosen per path
+"""SmoothQuant† (docs/method.md §4): per-channel scales from 99.9th-percentile statistics, α chosen per path
 on held-out normalised attention-output MSE with the other path exact. Also QuantMLA's initialiser.
 
 Choices: scales are normalised to unit geometric mean (s_j = ã_j^−α / geomean(ã^−α)); the RoPE

@@ -1,4 +1,4 @@
-"""Equivalent transforms of the two MLA cache paths (SPEC §3), as plain tensors.
+"""Equivalent transforms of the two MLA cache paths (docs/method.md §3), as plain tensors.
 
 Content path: cache `z_C = u R_C S_C` (u the weightless-normalised latent, R_C orthogonal,
 S_C = diag(s_C) > 0); every consumer W of the native cache c = uΓ becomes W Γ R_C S_C⁻¹ (as a

@@ -1,4 +1,4 @@
-"""Offline fusion of the content and RoPE transforms into an MLA module's own weights (SPEC §3).
+"""Offline fusion of the content and RoPE transforms into an MLA module's own weights (docs/method.md §3).
 
 All edits are computed in float64 and written back in the weights' dtype. After fusion no
 transform runs online: the module's unpatched forward computes the same function (up to rounding)

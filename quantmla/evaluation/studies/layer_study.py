@@ -1,4 +1,4 @@
-"""Shared machinery of the two path analyses (SPEC §7–§8): one teacher capture per cell, each
+"""Shared machinery of the two path analyses (docs/method.md §7–§8): one teacher capture per cell, each
 layer's cached paths as a function of its inputs, and path-isolated QDQ error directions.
 
 Cached coordinates are the declared ones: the content latent `c` as cached (c = uΓ) and the

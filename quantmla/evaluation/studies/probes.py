@@ -1,4 +1,4 @@
-"""The operator analysis (SPEC §8; paper Tables 5–6, Fig. 7), one record per cell.
+"""The operator analysis (docs/method.md §8; paper Tables 5–6, Fig. 7), one record per cell.
 
 For a layer and path b with cached values x_b and output y = f_b(x_b): J_b = ∂y/∂x_b,
 H_b = J_bᵀJ_b, D_b = dim x_b (all cached coordinates of the cell). For an error e:

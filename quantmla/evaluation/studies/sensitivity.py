@@ -1,4 +1,4 @@
-"""The layer sensitivity study (SPEC §7; paper Fig. 2, Fig. 6, Table 4), one record per cell.
+"""The layer sensitivity study (docs/method.md §7; paper Fig. 2, Fig. 6, Table 4), one record per cell.
 
 For every MLA layer ℓ and path b ∈ {C, P}: perturb only path b's cached values by its own RTN
 QDQ error direction rescaled to cache NMSE `eval.target_nmse` (paper 0.01), everything else exact,
