@@ -12,6 +12,7 @@ bold), "—" for a missing cell (never zero), and the paper's own numbers beside
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,6 +218,24 @@ def study_tables(paper: dict) -> dict:
 STUDY_TABLES = ("table4", "table5", "table6")
 
 
+GENERATED = re.compile(r"(<!-- generated: (\S+) -->\n)(.*?)(\n<!-- end generated -->)", re.DOTALL)
+
+
+def embed_in_docs(name: str, markdown: str, docs: Path) -> list[Path]:
+    """Replace every `<!-- generated: name -->` block of the docs pages with the new table, so a
+    table in a page is always the generated file, never a hand copy. Returns the pages changed."""
+    changed = []
+    for page in sorted(docs.glob("*.md")):
+        text = page.read_text()
+        new = GENERATED.sub(
+            lambda m: m[1] + markdown.strip() + m[4] if m[2] == name else m[0], text
+        )
+        if new != text:
+            page.write_text(new)
+            changed.append(page)
+    return changed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -263,6 +282,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(markdown + "\n")
     (out / f"{name}.tex").write_text(to_latex(rows) + "\n")
+    for page in embed_in_docs(name, markdown, out.parent):
+        print(f"updated {page}")
 
 
 if __name__ == "__main__":

@@ -28,3 +28,7 @@ class NonFiniteCacheError(QuantMLAError, FloatingPointError):
 
 class NotImplementedYet(QuantMLAError, NotImplementedError):
     """The config exists (so sweeps compose) but its computation arrives in later work."""
+
+
+class CheckpointError(QuantMLAError):
+    """A checkpoint file is present but unusable (truncated, corrupt); the message names it."""

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 from quantmla.config import DTYPES, LOGGERS
 from quantmla.errors import ConfigError, DataNotFoundError, NotImplementedYet
-from quantmla.paths import Paths, hub_offline, local_config_json
+from quantmla.paths import Paths, check_safetensors, hub_offline, local_config_json
 from quantmla.policy import CachePolicy
 
 
@@ -117,6 +117,7 @@ def resolve(cfg) -> Job:
         )
     if evaluator.needs_model:  # the environment, after every field
         check_checkpoint_reachable(cfg, paths)
+        check_safetensors(paths.checkpoint(cfg.model.path))
     config = narrow_eval(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
     weights = weights_fingerprint(paths.checkpoint(cfg.model.path))
     # the weights are part of the job: a retrained checkpoint under the same path is a new record

@@ -144,7 +144,9 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     # the earlier job's record in the folder is not this command's work (it used to be counted)
-    assert "interrupted: tiny_mla c4r4 rtn (perplexity); this command completed 0 record(s)" in err[0]
+    assert (
+        "interrupted: tiny_mla c4r4 rtn (perplexity); this command completed 0 record(s)" in err[0]
+    )
     assert "rerun the same command to resume" in err[0]
 
 

@@ -12,7 +12,7 @@ import torch
 
 from quantmla.errors import ConfigError
 from quantmla.models.adapters import ADAPTERS, MODEL_TYPE_ALIASES
-from quantmla.paths import local_config_json
+from quantmla.paths import check_safetensors, local_config_json
 
 # Published model_types with no transformers class, mapped onto the family that runs their MLA.
 # longcat_flash_ngram: LongCat-Flash-Lite's n-gram embedding front end has no class here; its
@@ -111,6 +111,7 @@ def load_pretrained(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = checkpoint_config(path_or_id)
+    check_safetensors(path_or_id)  # a hub id is no folder: nothing to check
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
     placement = {"device_map": "auto"} if device == "auto" else {}  # "auto": shard over all GPUs
     model = AutoModelForCausalLM.from_pretrained(
