@@ -1,4 +1,4 @@
-# make setup run   — fresh machine: create .venv, install everything, run the default job (a ~1 min preview)
+# make setup run   — fresh machine: create .venv, install everything, run the default job (the preview)
 # make test        — the test suite (what CI runs, after `ruff`); make test-full adds the `slow` tests
 PY ?= .venv/bin/python
 export HF_HUB_OFFLINE ?= 1
@@ -22,9 +22,10 @@ test:
 test-full:
 	$(PY) -m pytest -q -m "slow or not slow"
 
-lint:
+lint:   # style, then the import layers of docs/architecture.md
 	$(PY) -m ruff format --check .
 	$(PY) -m ruff check .
+	$(dir $(PY))lint-imports
 
 format:
 	$(PY) -m ruff format .

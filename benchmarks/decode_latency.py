@@ -26,22 +26,20 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from quantmla.evaluation.latency_harness import (  # noqa: E402
+from quantmla.evaluation.latency_harness import (
     PRESETS,
     function_check,
     measured_copy_bandwidth,
     run_case,
     spec_bandwidth,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:

@@ -17,7 +17,6 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -85,7 +84,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", default=str(REPO / "results" / "bench" / "decode_step.json"))
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
     from quantmla import patch_model
     from quantmla.models.loading import random_model_from_config_file
 

@@ -29,7 +29,6 @@ VARIANTS = ("unpatched", "bf16", "c4r4")
 
 
 def measure(variant: str, length: int, repeats: int, device: str) -> dict:
-    sys.path.insert(0, str(REPO))
     from quantmla import patch_model
     from quantmla.models.loading import random_model_from_config_file
 

@@ -19,13 +19,14 @@ Every job evaluates one (model, precision, method) and writes one record to
 <paths.results_dir>/<experiment_name>/<config-hash>/result.json (a finished job is skipped).
 
 Main commands
-  python -m quantmla.run                                  preview: tiny model, RTN C4R4, ~1 min on 2 CPU cores
-  python -m quantmla.run eval=perplexity                  the full evaluation behind the README's numbers
+  python -m quantmla.run                                  preview: tiny model, BF16 + RTN C4R4, 48 windows (~20 s)
+  python -m quantmla.run eval=perplexity                  the full evaluation behind the documented numbers
   python -m quantmla.run precision=c2r4 method=quantmla   one job (any c<x>r<y>: precision=c3r4 works too)
   python -m quantmla.run -m method=rtn,quarot precision=c4r4,c2r4      a sweep (resumes when rerun)
   python -m quantmla.run experiment=tiny_table1           a paper artifact's sweep (conf/experiment/)
   python -m quantmla.run eval=table1_suite eval.tasks=[piqa] eval.limit=50   lm-eval columns (also table2_suite, ruler)
-  python -m quantmla.generate prompt="..." cache.backend=packed               generate through the packed cache
+  python -m quantmla.generate "prompt=any text, even this" cache.backend=packed   generate (or prompt_file=PATH|-)
+  python -m quantmla.migrate results                      re-key a store written before per-kind hashes
   python -m analysis.tables tiny_table1                   rebuild a table from the records
   python -m quantmla.run --cfg job [overrides]            print the composed config
   python -m quantmla.run --hydra-help                     Hydra's own options (launchers, sweeps)

@@ -149,7 +149,7 @@ def test_arc_llm_foundry_file_builds_the_original_format_prompts(manager):
 
 
 def test_winogrande_and_hellaswag_local_requests(manager):
-    """Formats that cannot be compared with upstream's fields: the requests are what the README
+    """Formats that cannot be compared with upstream's fields: the requests are what docs/evaluation.md
     says — WinoGrande partial scoring on llm-foundry's split sentence, HellaSwag upstream's
     preprocessing of llama.cpp's `label: context` line."""
     wino = requests(manager, "quantmla_winogrande", limit=2)["winogrande"]

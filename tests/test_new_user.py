@@ -125,7 +125,10 @@ def test_prompt_from_a_file_or_standard_input(tmp_path, monkeypatch):
 def test_cache_size_line_is_never_inverted():
     from quantmla.generate import size_line
 
-    assert size_line(held=9_000, bf16=1_000).startswith("9.00x the BF16 bytes")
+    assert size_line(held=9_000, bf16=1_000).startswith(
+        "9.00x the BF16 bytes: the fixed protection"
+    )
+    assert "raw and a dequantized copy" in size_line(held=4_000, bf16=1_000, backend="simulator")
     assert size_line(held=1_000, bf16=3_200) == "3.20x smaller than BF16"
 
 

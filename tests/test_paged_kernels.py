@@ -5,13 +5,13 @@ import math
 
 import pytest
 import torch
-from quantmla_kernels.paged_cache.pool import PagePool, PoolExhaustedError
-from quantmla_kernels.paged_cache.reference import read_tokens
-from quantmla_kernels.paged_cache.writer import write_tokens
 
 from quantmla.errors import ConfigError, NonFiniteCacheError
 from quantmla.memory import PAGE_TOKENS, layout
 from quantmla.quant import qdq_content, qdq_rope
+from quantmla_kernels.paged_cache.pool import PagePool, PoolExhaustedError
+from quantmla_kernels.paged_cache.reference import read_tokens
+from quantmla_kernels.paged_cache.writer import write_tokens
 
 PRECISIONS = ("c4r4", "c2r4")
 

@@ -2,9 +2,9 @@
 back, and misuse fails in one line without changing the pool."""
 
 import pytest
-from quantmla_kernels.paged_cache.pool import FREE, PagePool, PoolExhaustedError, RequestStateError
 
 from quantmla.memory import PAGE_TOKENS, layout
+from quantmla_kernels.paged_cache.pool import FREE, PagePool, PoolExhaustedError, RequestStateError
 
 
 @pytest.mark.parametrize("precision", ["c4r4", "c2r4", "c4r16", "bf16"])

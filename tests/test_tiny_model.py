@@ -11,7 +11,7 @@ from quantmla.data import calibration_split, load_text, perplexity_windows, toke
 from quantmla.evaluation.perplexity import perplexity
 from tests.conftest import TINY_MLA
 
-# WikiText-2 test perplexity of the first 8 windows of 512 tokens (see README).
+# WikiText-2 test perplexity of the first 8 windows of 512 tokens (see docs/testbeds.md).
 PPL_BOUND = (
     340.0  # measured 306.1 (first 8 windows of 512); unigram perplexity of the same text: 719.7
 )

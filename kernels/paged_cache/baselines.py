@@ -4,6 +4,7 @@ workspace, and the decode kernel run over a BF16 paged cache (every token unquan
 from __future__ import annotations
 
 import torch
+
 from quantmla_kernels.paged_cache.decode import _dequant_tile, launch_decode
 from quantmla_kernels.paged_cache.layout import layout_constants
 from quantmla_kernels.paged_cache.pool import PagePool

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from quantmla_kernels.paged_cache.layout import layout_constants
 from quantmla_kernels.paged_cache.pool import PagePool
 

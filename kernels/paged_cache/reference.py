@@ -5,11 +5,11 @@
 from __future__ import annotations
 
 import torch
-from quantmla_kernels.paged_cache.layout import paths
-from quantmla_kernels.paged_cache.pool import PagePool
 
 from quantmla.memory import CacheLayout
 from quantmla.quant import Quantized, dequantize, pack, quantize, unpack
+from quantmla_kernels.paged_cache.layout import paths
+from quantmla_kernels.paged_cache.pool import PagePool
 
 
 def token_bytes(layout: CacheLayout, c: torch.Tensor, k_r: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -11,12 +11,12 @@ bit-identical to it (tests/test_paged_kernels.py). Both stop before anything is 
 from __future__ import annotations
 
 import torch
-from quantmla_kernels.paged_cache.layout import check_packable, layout_constants
-from quantmla_kernels.paged_cache.pool import PagePool
-from quantmla_kernels.paged_cache.reference import write_reference
 
 from quantmla.errors import ConfigError, NonFiniteCacheError
 from quantmla.quant import SCALE_FLOOR
+from quantmla_kernels.paged_cache.layout import check_packable, layout_constants
+from quantmla_kernels.paged_cache.pool import PagePool
+from quantmla_kernels.paged_cache.reference import write_reference
 
 try:  # the fused kernels need Triton (a GPU, or TRITON_INTERPRET=1 on CPU)
     import triton

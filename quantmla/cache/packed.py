@@ -18,16 +18,16 @@ import math
 import os
 
 import torch
-from quantmla_kernels.paged_cache.decode import decode_triton
-from quantmla_kernels.paged_cache.layout import check_packable
-from quantmla_kernels.paged_cache.pool import PagePool
-from quantmla_kernels.paged_cache.reference import decode_reference
-from quantmla_kernels.paged_cache.writer import write_tokens
 from transformers.cache_utils import DynamicLayer
 
 from quantmla.attention import attention_output, cache_regions
 from quantmla.errors import ConfigError
 from quantmla.memory import CacheLayout
+from quantmla_kernels.paged_cache.decode import decode_triton
+from quantmla_kernels.paged_cache.layout import check_packable
+from quantmla_kernels.paged_cache.pool import PagePool
+from quantmla_kernels.paged_cache.reference import decode_reference
+from quantmla_kernels.paged_cache.writer import write_tokens
 
 
 def resolve_kernel(kernel: str, device: torch.device) -> str:

@@ -49,9 +49,8 @@ def measured_copy_bandwidth() -> float:
 def filled_pool(precision, batch, context, device):
     """A pool with `batch` requests of `context` tokens, pages in random physical order, random
     codes and valid metadata (latency does not depend on the values)."""
-    from quantmla_kernels.paged_cache.pool import PagePool
-
     from quantmla.memory import layout
+    from quantmla_kernels.paged_cache.pool import PagePool
 
     lay = layout(precision, D_C, D_R)
     pages = batch * math.ceil(context / lay.page_tokens)
@@ -166,11 +165,10 @@ def flashmla_step(pages_bf16, table, lens, q, qr):
 
 
 def run_case(batch, context, heads, rounds, reps, with_baselines=True) -> list[dict]:
+    from quantmla.memory import layout
     from quantmla_kernels.paged_cache.baselines import dequantize_pages
     from quantmla_kernels.paged_cache.decode import default_splits, launch_decode, stacked_inputs
     from quantmla_kernels.paged_cache.writer import _write_triton
-
-    from quantmla.memory import layout
 
     dev = "cuda"
     q = torch.randn(batch, heads, D_C, device=dev) * 0.05
@@ -212,20 +210,24 @@ def run_case(batch, context, heads, rounds, reps, with_baselines=True) -> list[d
     pool, table, lens, _ = pools["c4r4"]
     pages_bf16 = torch.randn(pool.n_pages, page, D_C + D_R, device=dev, dtype=torch.bfloat16)
 
-    def make_bf16(block_h, num_warps):
-        return lambda: launch_decode(
+    def bf16_decode(pages, p_pool, p_table, p_lens, block_h, num_warps):
+        """The same kernel over BF16 pages (no protection split): the primary baseline."""
+        return launch_decode(
             q_lat=q,
             q_rope=qr,
             scaling=0.07,
-            table=table,
-            lens=lens,
+            table=p_table,
+            lens=p_lens,
             layout=lay_bf16,
-            storage=pool.storage[:1, 0],
-            bf16_pages=pages_bf16,
+            storage=p_pool.storage[:1, 0],
+            bf16_pages=pages,
             num_splits=splits,
             block_h=block_h,
             num_warps=num_warps,
         )
+
+    def make_bf16(block_h, num_warps):
+        return lambda: bf16_decode(pages_bf16, pool, table, lens, block_h, num_warps)
 
     variants["bf16"], info["bf16"] = tuned(make_bf16, configs)
     if with_baselines:
@@ -240,18 +242,8 @@ def run_case(batch, context, heads, rounds, reps, with_baselines=True) -> list[d
                 p_pool=p_pool, p_table=p_table, p_lens=p_lens, workspace=workspace
             ):
                 dequantize_pages(p_pool, out=workspace)
-                launch_decode(
-                    q_lat=q,
-                    q_rope=qr,
-                    scaling=0.07,
-                    table=p_table,
-                    lens=p_lens,
-                    layout=lay_bf16,
-                    storage=p_pool.storage[:1, 0],
-                    bf16_pages=workspace,
-                    num_splits=splits,
-                    block_h=bf16_cfg["block_h"],
-                    num_warps=bf16_cfg["num_warps"],
+                bf16_decode(
+                    workspace, p_pool, p_table, p_lens, bf16_cfg["block_h"], bf16_cfg["num_warps"]
                 )
 
             variants[f"{precision}-dequant"] = dequant_then_bf16
@@ -315,12 +307,11 @@ def run_case(batch, context, heads, rounds, reps, with_baselines=True) -> list[d
 def function_check() -> dict:
     """No CUDA: the Triton kernels (interpreted) against the references at small sizes."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from quantmla.memory import layout
     from quantmla_kernels.paged_cache.decode import decode_triton
     from quantmla_kernels.paged_cache.pool import PagePool
     from quantmla_kernels.paged_cache.reference import decode_reference
     from quantmla_kernels.paged_cache.writer import write_tokens
-
-    from quantmla.memory import layout
 
     out = {}
     for precision in PRECISIONS:

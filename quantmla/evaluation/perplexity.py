@@ -110,6 +110,6 @@ def format_table(record: dict) -> str:
     if max_windows:
         lines.append(
             f"(preview: the first {max_windows} windows per dataset; the full evaluation behind the "
-            "README's numbers: `python -m quantmla.run eval=perplexity`)"
+            "documented numbers: `python -m quantmla.run eval=perplexity`)"
         )
     return "\n".join(lines)

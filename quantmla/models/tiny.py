@@ -1,6 +1,6 @@
 """The project's own small MLA testbed: its byte-level BPE tokenizer and its DeepSeek-V3-architecture config.
 
-Design choices (see README):
+Design choices (see docs/testbeds.md):
 - `q_lora_rank=None`: queries come from one `q_proj`, as in DeepSeek-V2-Lite and Moonlight, the
   paper's two main models, so the tiny model exercises the same query path as they do.
 - `rope_interleave=True`: the V3/Moonlight checkpoint layout (pre-RoPE pairs interleaved, cached
