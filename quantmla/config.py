@@ -166,11 +166,20 @@ class GenerateConfig(RunConfig):
     max_new_tokens: int = opt(32, "tokens to generate")
 
 
+@dataclass
+class ExportConfig(RunConfig):
+    """`python -m quantmla.export`: a run config plus where the fused checkpoint goes."""
+
+    out: str | None = opt(None, "folder of the exported checkpoint (must not exist, or be empty)")
+    overwrite: bool = opt(False, "replace the files of an existing export in `out`")
+
+
 def register_schemas() -> None:
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="run_schema", node=RunConfig)
     ConfigStore.instance().store(name="generate_schema", node=GenerateConfig)
+    ConfigStore.instance().store(name="export_schema", node=ExportConfig)
 
 
 register_schemas()

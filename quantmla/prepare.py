@@ -25,6 +25,7 @@ class Prepared:
     adapter: object = None
     modules: list[nn.Module] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)  # method/* and equivalence/* for the record
+    method_result: object = None  # the fused MethodResult (None for RTN)
 
     @contextmanager
     def unquantized(self):
@@ -74,6 +75,7 @@ def prepare(job) -> Prepared:
     started = time.time()
     result = prepare_method(cfg, paths, model, adapter, tokenizer, policy.spec, job.weights)
     prepared.metrics["method/seconds"] = time.time() - started
+    prepared.method_result = result
     if result is not None:
         probe = EquivalenceProbe(equivalence_sequences(cfg, paths, tokenizer))
         probe.capture(model, modules)

@@ -16,6 +16,7 @@ class Method:
     calibrated: bool  # needs captured teacher activations and a `method.calibration` block
     target: str | None  # "module:function" taking a MethodJob; None: nothing to apply (RTN)
     description: str
+    fully_fused: bool = True  # False: part of it runs online (an export alone cannot carry it)
 
     def build(self, job):
         if self.target is None:
@@ -41,6 +42,7 @@ METHODS: dict[str, Method] = {
             False,
             "quantmla.methods.quarot:quarot",
             "Hadamard on the content latent (fused) and post-RoPE (online)",
+            fully_fused=False,
         ),
         Method(
             "quantmla",
