@@ -28,6 +28,10 @@ class ModelConfig:
     trust_remote_code: bool = opt(
         False, "run a checkpoint's own modeling code (only if you trust it)"
     )
+    fp8: str = opt(
+        "dequantize",
+        "FP8 block-quantized checkpoints: native (FP8 weights, CUDA) | dequantize (BF16 on load)",
+    )
 
 
 @dataclass
@@ -185,6 +189,7 @@ def register_schemas() -> None:
 register_schemas()
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+FP8_MODES = ("native", "dequantize")
 DATASETS = ("wikitext2", "c4")
 LOGGERS = ("wandb", "none")
 

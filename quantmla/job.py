@@ -110,6 +110,7 @@ def resolve(cfg) -> Job:
             None,
             f"a published config.json (eval.kind={evaluator.kind} reads only the config)",
         )
+    check_node(cfg, paths)
     if not evaluator.implemented:
         raise NotImplementedYet(
             f"eval.kind={cfg.eval.kind!r} is not implemented yet ({evaluator.description}); "
@@ -124,6 +125,16 @@ def resolve(cfg) -> Job:
     config["model"]["weights"] = weights
     path = record_path(paths.results_dir, cfg.experiment_name, config)
     return replace(partial, weights=weights, config=config, record_path=path)
+
+
+def check_node(cfg, paths: Paths) -> None:
+    """Under a SLURM launcher, the job's memory plan must fit one node (one line if not)."""
+    from quantmla.planning import check_fits, current_launcher
+
+    launcher = current_launcher()
+    if launcher is None or launcher[1] is None or not cfg.model.config:
+        return
+    check_fits(cfg, json.loads(paths.resolve(cfg.model.config).read_text()), *launcher)
 
 
 def check_checkpoint_reachable(cfg, paths: Paths) -> None:

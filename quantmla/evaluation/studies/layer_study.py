@@ -22,6 +22,7 @@ from quantmla.attention import attention_output, causal_regions
 from quantmla.errors import ConfigError
 from quantmla.models.adapters import MLAProjections
 from quantmla.models.capture import ActivationStore, capture_inputs, map_position_embeddings
+from quantmla.models.sizes import mla_layer_count
 from quantmla.quant import qdq_content, qdq_rope
 from quantmla.spec import UNQUANTIZED_BITS, QuantizerSpec
 
@@ -175,13 +176,6 @@ def check_study_config(cfg, n_layers: int | None = None) -> None:
         for layer in ev.layers:
             if not 0 <= layer < n_layers:
                 raise ConfigError("eval.layers", layer, f"layer indices in 0..{n_layers - 1}")
-
-
-def mla_layer_count(config) -> int:
-    """MLA attention layers from a config's fields (LongCat-Flash has two per decoder layer)."""
-    if str(getattr(config, "model_type", "")).startswith("longcat_flash"):
-        return 2 * config.num_layers
-    return config.num_hidden_layers
 
 
 def study_layers(cfg, n_layers: int) -> list[int]:

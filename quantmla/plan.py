@@ -1,0 +1,73 @@
+"""`python -m quantmla.plan experiment=... [hydra/launcher=slurm_8gpu]`: the memory plan
+(`quantmla.planning`) of every job of a sweep, from the published configs and the eval config
+alone — nothing is downloaded or loaded — and whether the chosen launcher's node holds each."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+from quantmla.planning import GB, GPU_GB, Plan, launcher_gpus, plan_job
+
+
+def sweep_overrides(params) -> list[list[str]]:
+    """Every job of a sweeper's params (their product); an empty sweep is one job."""
+    axes = [[f"{k}={v}" for v in str(values).split(",")] for k, values in (params or {}).items()]
+    return [list(job) for job in itertools.product(*axes)] or [[]]
+
+
+def format_plans(plans: list[Plan]) -> str:
+    lines = [
+        "| job | weights | GB | capture GB (CPU) | working GB | KV GB | GPUs needed | node | fits |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in plans:
+        node = "-" if p.gpus_available is None else str(p.gpus_available)
+        fits = "-" if p.fits is None else ("yes" if p.fits else "**no**")
+        lines.append(
+            f"| {p.label} | {p.weights_dtype} | {p.weights / GB:,.1f} | {p.capture / GB:,.2f} | "
+            f"{p.working / GB:,.2f} | {p.kv_cache / GB:,.2f} | {p.gpus_needed} | {node} | {fits} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Compose the sweep as `python -m quantmla.run` would, plan each distinct job, print a table."""
+    import json
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import quantmla.config  # noqa: F401  (registers the structured-config schemas)
+    from quantmla.cli import CONF_DIR, route_precision
+    from quantmla.errors import QuantMLAError
+    from quantmla.paths import Paths
+
+    overrides = route_precision(list(sys.argv[1:] if argv is None else argv))
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            top = compose("config", overrides=overrides, return_hydra_config=True)
+            launcher, gpus = launcher_gpus(top.hydra)
+            plans, seen = [], set()
+            for job in sweep_overrides(top.hydra.sweeper.get("params")):
+                cfg = OmegaConf.to_object(compose("config", overrides=[*overrides, *job]))
+                paths = Paths.from_config(cfg.paths)
+                if not cfg.model.config:
+                    raise QuantMLAError(
+                        f"model={cfg.model.name}: no published config (model.config)"
+                    )
+                raw = json.loads(paths.resolve(cfg.model.config).read_text())
+                plan = plan_job(cfg, raw, gpus)
+                if plan.label not in seen:
+                    seen.add(plan.label)
+                    plans.append(plan)
+    except QuantMLAError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    node = f"{gpus} GPU(s) of {GPU_GB:.0f} GB per node" if gpus is not None else "no GPU node given"
+    print(f"launcher: {launcher} ({node}); plans from the published configs, nothing loaded\n")
+    print(format_plans(plans))
+
+
+if __name__ == "__main__":
+    main()

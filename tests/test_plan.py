@@ -1,0 +1,121 @@
+"""The memory plan against hand-computed numbers, and the one-line refusal of a job its node cannot
+hold. Arithmetic from the published configs (assets/model-configs)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from quantmla.models.loading import config_from_file
+from quantmla.models.sizes import param_counts
+from tests.conftest import REPO
+
+CONFIGS = REPO / "assets" / "model-configs"
+
+
+def test_deepseek_v2_lite_parameters_by_hand():
+    hidden, vocab, heads = 2048, 102400, 16
+    embed = vocab * hidden  # embed_tokens; lm_head is the same size (untied)
+    attention = (
+        hidden * heads * (128 + 64)  # q_proj (no query LoRA): nope 128 + rope 64 per head
+        + hidden * (512 + 64)  # kv_a_proj_with_mqa: latent 512 + RoPE key 64
+        + 512  # kv_a_layernorm
+        + 512 * heads * (128 + 128)  # kv_b_proj: W_UK (128) and W_UV (128) per head
+        + heads * 128 * hidden  # o_proj
+    )
+    norms = 2 * hidden
+    dense_mlp = 3 * hidden * 10944  # layer 0 (first_k_dense_replace = 1)
+    moe = 64 * 3 * hidden * 1408 + 3 * hidden * 2 * 1408 + 64 * hidden  # routed, 2 shared, router
+    total = 2 * embed + 27 * (attention + norms) + dense_mlp + 26 * moe + hidden
+    assert total == 15_706_484_224  # the published "15.7B"
+    counts = param_counts(config_from_file(CONFIGS / "deepseek-v2-lite.json"))
+    assert counts.total == total
+    assert counts.weight_bytes("bfloat16") == 2 * total  # 31.4 GB: one H200
+
+
+def test_deepseek_v3_parameters_fp8_bytes_and_blocks_by_hand():
+    hidden, vocab, heads = 7168, 129280, 128
+    embed = vocab * hidden
+    attention = [  # (rows, cols) of every projection: q_a, q_b, kv_a, kv_b, o
+        (1536, hidden),
+        (heads * (128 + 64), 1536),
+        (512 + 64, hidden),
+        (heads * (128 + 128), 512),
+        (hidden, heads * 128),
+    ]
+    dense = [(18432, hidden), (18432, hidden), (hidden, 18432)]
+    expert = [(2 * 2048, hidden), (hidden, 2048)]  # gate+up fused, down
+    shared = [(2048, hidden), (2048, hidden), (hidden, 2048)]
+    size = lambda ms: sum(r * c for r, c in ms)  # noqa: E731
+    blocks = lambda ms: sum(-(-r // 128) * -(-c // 128) for r, c in ms)  # noqa: E731
+    small = 2 * hidden + 1536 + 512  # per layer: two norms, q_a_layernorm, kv_a_layernorm
+    router = 256 * hidden  # e_score_correction_bias is a buffer, not a parameter
+    eligible = 61 * size(attention) + 3 * size(dense) + 58 * (256 * size(expert) + size(shared))
+    total = eligible + 2 * embed + 61 * small + 58 * router + hidden
+    assert total == 671_026_404_352  # the published "671B" (the 14B MTP module is not loaded)
+    n_blocks = (
+        61 * blocks(attention) + 3 * blocks(dense) + 58 * (256 * blocks(expert) + blocks(shared))
+    )
+    counts = param_counts(config_from_file(CONFIGS / "deepseek-v3-base.json"))
+    assert (counts.total, counts.fp8_eligible, counts.fp8_blocks) == (total, eligible, n_blocks)
+    fp8 = eligible + 4 * n_blocks + 2 * (total - eligible)
+    assert counts.weight_bytes("bfloat16", fp8=True) == fp8
+    assert 673.0e9 < fp8 < 673.5e9 < 8 * 137e9 < counts.weight_bytes("bfloat16")  # 1.34 TB
+
+
+def _plan(*overrides):
+    proc = subprocess.run(
+        [sys.executable, "-m", "quantmla.plan", *overrides],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return {
+        line.split(" | ")[0][2:]: line for line in proc.stdout.splitlines() if line.startswith("| ")
+    }
+
+
+def test_plan_of_the_sensitivity_sweep_on_one_8_gpu_node():
+    rows = _plan("experiment=fig2_sensitivity", "hydra/launcher=slurm_8gpu")
+    for model in ("deepseek_v3_base", "deepseek_r1", "kimi_k2_instruct"):
+        row = rows[f"{model} c4r4 rtn sensitivity"]
+        assert "fp8 (E4M3 + block scales)" in row and row.endswith("| 8 | yes |"), row
+    v3 = rows["deepseek_v3_base c4r4 rtn sensitivity"].split(" | ")
+    assert v3[2] == "673.2" and v3[3] == "3.58"  # weights GB; capture 8 × 512 × 7168 × 2 B × 61
+    lite = rows["deepseek_v2_lite c4r4 rtn sensitivity"].split(" | ")
+    assert lite[1:3] == ["bfloat16", "31.4"]
+
+
+def test_plan_without_fp8_native_does_not_fit_one_node():
+    rows = _plan("experiment=fig2_sensitivity", "hydra/launcher=slurm_8gpu", "model.fp8=dequantize")
+    assert rows["deepseek_v3_base c4r4 rtn sensitivity"].endswith("| 8 | **no** |")
+
+
+@pytest.mark.parametrize(
+    ("model", "launcher", "expected"),
+    [
+        ("deepseek_v3_base", "slurm_gpu", "a node with >= 5 GPUs"),
+        ("kimi_k2_instruct", "slurm_gpu", "a node with >= 8 GPUs"),
+    ],
+)
+def test_a_job_its_node_cannot_hold_is_refused_in_one_line(model, launcher, expected, tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "quantmla.run",
+            f"model={model}",
+            "eval=sensitivity",
+            "eval.datasets=[wikitext2]",
+            f"hydra/launcher={launcher}",
+            f"paths.results_dir={tmp_path}",
+            f"hydra.run.dir={tmp_path}/out",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"hydra/launcher='{launcher}'" in lines[0] and expected in lines[0]
