@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
-from quantmla.config import DTYPES, LOGGERS
+from quantmla.config import DTYPES, FP8_MODES, LOGGERS
 from quantmla.errors import ConfigError, DataNotFoundError, NotImplementedYet
 from quantmla.paths import Paths, check_safetensors, hub_offline, local_config_json
 from quantmla.policy import CachePolicy
@@ -83,6 +83,8 @@ def resolve(cfg) -> Job:
         )
     if cfg.model.dtype not in DTYPES:
         raise ConfigError("model.dtype", cfg.model.dtype, DTYPES)
+    if cfg.model.fp8 not in FP8_MODES:
+        raise ConfigError("model.fp8", cfg.model.fp8, FP8_MODES)
     evaluator = EVALUATORS.get(cfg.eval.kind)
     if evaluator is None:
         raise ConfigError("eval.kind", cfg.eval.kind, tuple(EVALUATORS))
@@ -119,6 +121,7 @@ def resolve(cfg) -> Job:
     if evaluator.needs_model:  # the environment, after every field
         check_checkpoint_reachable(cfg, paths)
         check_safetensors(paths.checkpoint(cfg.model.path))
+        check_fp8_native(cfg, model_config)
     config = narrow_eval(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
     weights = weights_fingerprint(paths.checkpoint(cfg.model.path))
     # the weights are part of the job: a retrained checkpoint under the same path is a new record
@@ -135,6 +138,19 @@ def check_node(cfg, paths: Paths) -> None:
     if launcher is None or launcher[1] is None or not cfg.model.config:
         return
     check_fits(cfg, json.loads(paths.resolve(cfg.model.config).read_text()), *launcher)
+
+
+def check_fp8_native(cfg, model_config) -> None:
+    """FP8 weights kept as FP8 need CUDA's FP8 matmuls: one line on a machine without them."""
+    qc = getattr(model_config, "quantization_config", None) or {}
+    if cfg.model.fp8 != "native" or qc.get("quant_method") != "fp8":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "model.fp8", "native", "dequantize on a machine without CUDA (FP8 matmuls need a GPU)"
+        )
 
 
 def check_checkpoint_reachable(cfg, paths: Paths) -> None:

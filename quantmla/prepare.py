@@ -66,6 +66,7 @@ def prepare(job) -> Prepared:
         cfg.model.dtype,
         cfg.model.trust_remote_code,
         cfg.model.device,
+        cfg.model.fp8,
     )
     adapter = get_adapter(model.config)
     modules = adapter.attention_modules(model)

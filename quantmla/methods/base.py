@@ -14,6 +14,7 @@ from torch import nn
 
 from quantmla.errors import QuantMLAError
 from quantmla.models.adapters import MLAAdapter
+from quantmla.models.fp8 import dequantized_for_fusion
 from quantmla.simulator import layer_patch
 from quantmla.spec import QuantizerSpec
 from quantmla.transforms import (
@@ -71,10 +72,11 @@ def apply_method(model: nn.Module, adapter: MLAAdapter, result: MethodResult) ->
         )
     patches = [layer_patch(m) for m in modules] if result.rope_online else [None] * len(modules)
     for module, layer, patch in zip(modules, result.layers, patches):
-        if layer.content is not None:
-            fuse_content(module, adapter, layer.content)
-        if layer.rope is not None:
-            fuse_rope(module, adapter, layer.rope)
+        with dequantized_for_fusion(module):  # FP8 weights: dequantize → fuse → requantize
+            if layer.content is not None:
+                fuse_content(module, adapter, layer.content)
+            if layer.rope is not None:
+                fuse_rope(module, adapter, layer.rope)
         if result.rope_online == "hadamard":
             h = hadamard(module.qk_rope_head_dim)
             patch.rope_online = h.to(module.o_proj.weight)

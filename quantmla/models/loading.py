@@ -21,11 +21,13 @@ CONFIG_ONLY_ALIASES = {"longcat_flash_ngram": "longcat_flash"}
 _DROP_KEYS = ("auto_map", "quantization_config", "transformers_version", "architectures")
 
 
-def config_from_dict(raw: dict):
-    """A transformers config from a published config.json dict, aliases remapped."""
+def config_from_dict(raw: dict, keep_quantization: bool = False):
+    """A transformers config from a published config.json dict, aliases remapped; its
+    `quantization_config` (an FP8 checkpoint's) only when `keep_quantization`."""
     from transformers import AutoConfig
 
-    fields = {k: v for k, v in raw.items() if k not in _DROP_KEYS}
+    drop = set(_DROP_KEYS) - ({"quantization_config"} if keep_quantization else set())
+    fields = {k: v for k, v in raw.items() if k not in drop}
     model_type = fields.pop("model_type", None)
     model_type = MODEL_TYPE_ALIASES.get(model_type, CONFIG_ONLY_ALIASES.get(model_type, model_type))
     if model_type not in ADAPTERS:
@@ -104,23 +106,53 @@ def random_model_from_config_file(
 
 
 def load_pretrained(
-    path_or_id: str, dtype: str = "auto", trust_remote_code: bool = False, device: str = "cpu"
+    path_or_id: str,
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    device: str = "cpu",
+    fp8: str = "dequantize",
 ):
     """A checkpoint (local folder or hub id) and its tokenizer; `kimi_k2` loads as DeepSeek-V3.
-    `device="auto"` shards the model over every visible GPU (device_map="auto")."""
+    `device="auto"` shards the model over every visible GPU (device_map="auto"). An FP8
+    block-quantized local checkpoint loads with `fp8="native"` through transformers' fine-grained
+    FP8 layers (CUDA only), or with `fp8="dequantize"` as BF16 (our dequantization, see
+    `quantmla.models.fp8.dequantize_checkpoint`)."""
+    import tempfile
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    config = checkpoint_config(path_or_id)
+    from quantmla.models.fp8 import dequantize_checkpoint, is_fp8_checkpoint
+
     check_safetensors(path_or_id)  # a hub id is no folder: nothing to check
+    found = local_config_json(path_or_id)
+    raw = json.loads(found.read_text()) if found is not None else {}
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
     placement = {"device_map": "auto"} if device == "auto" else {}  # "auto": shard over all GPUs
-    model = AutoModelForCausalLM.from_pretrained(
-        path_or_id,
-        config=config,
-        dtype=torch_dtype,
-        trust_remote_code=trust_remote_code,
-        **placement,
-    )
+    source, scratch = path_or_id, None
+    if is_fp8_checkpoint(raw) and fp8 == "native":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "model.fp8", fp8, "dequantize on a machine without CUDA (FP8 matmuls need a GPU)"
+            )
+        config = config_from_dict(raw, keep_quantization=True)
+    elif is_fp8_checkpoint(raw):
+        scratch = tempfile.TemporaryDirectory(prefix="quantmla-dequantized-")
+        source = str(dequantize_checkpoint(path_or_id, scratch.name))
+        config = checkpoint_config(source)
+        torch_dtype = torch.bfloat16 if dtype == "auto" else torch_dtype
+    else:
+        config = checkpoint_config(path_or_id)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            config=config,
+            dtype=torch_dtype,
+            trust_remote_code=trust_remote_code,
+            **placement,
+        )
+    finally:
+        if scratch is not None:
+            scratch.cleanup()
     if device != "auto":
         model = model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(path_or_id, trust_remote_code=trust_remote_code)
