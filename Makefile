@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup run test test-full lint format bench bench-gpu train-tiny train-tiny-v2 sweep-tiny tables figures serve-setup
+.PHONY: setup run test test-full lint format bench bench-gpu train-tiny train-tiny-v2 sweep-tiny tables figures serve-setup gpu-check
 
 setup:
 	test -x $(PY) || python3 -m venv .venv
@@ -34,6 +34,9 @@ format:
 
 bench:
 	$(PY) benchmarks/simulator_overhead.py
+
+gpu-check:   # the first GPU run, one command (< 8 min on one H200): gpu tests, a CUDA job vs its memory plan, latency --quick; one JSON report
+	$(PY) benchmarks/gpu_check.py --out results/gpu_check.json
 
 bench-gpu:   # Fig. 5b on one GPU (< 8 min), then its GPU-only tests; on a CPU: a function check
 	$(PY) benchmarks/decode_latency.py --quick

@@ -27,7 +27,12 @@ def tiny_v3(seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     config = shrink_config(
-        config_from_file(CONFIG), num_layers=2, vocab_size=512, max_heads=4, n_experts=4, ffn_size=256
+        config_from_file(CONFIG),
+        num_layers=2,
+        vocab_size=512,
+        max_heads=4,
+        n_experts=4,
+        ffn_size=256,
     )
     config.hidden_size = 1024
     config.dtype = torch.bfloat16
@@ -55,7 +60,9 @@ def write_fp8(model, out: Path) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("out")
     parser.add_argument("--reference", default=None, help="also save the BF16 model here")
     args = parser.parse_args()

@@ -1,8 +1,9 @@
-"""`python -m quantmla.migrate [RESULTS_DIR] [--dry-run]`: re-key a results store made before each
-`eval.kind` hashed only its own fields (quantmla.job). Each record's config gets its `eval` block
-narrowed to the kind's fields and its folder renamed to the new hash, so finished jobs are found
-(and skipped) again. Idempotent; a record whose new key is already taken is left in place and
-reported, never overwritten."""
+"""`python -m quantmla.migrate [RESULTS_DIR] [--dry-run]`: re-key a results store written by older
+code. Each record's config gains the fields added to the schemas since (at their defaults, which
+reproduce the old behaviour: e.g. `model.fp8` only acts on FP8 checkpoints) and its `eval` block is
+narrowed to its kind's own fields (each `eval.kind` hashes only those, `quantmla.job`); its folder
+is renamed to the new hash, so finished jobs are found (and skipped) again. Idempotent; a record
+whose new key is already taken is left in place and reported, never overwritten."""
 
 from __future__ import annotations
 
@@ -12,15 +13,31 @@ import sys
 from pathlib import Path
 
 
+def with_new_fields(config: dict, defaults: dict) -> dict:
+    """`config` with every schema field it lacks added at its default (its own values kept)."""
+    out = dict(config)
+    for key, default in defaults.items():
+        if key not in out:
+            out[key] = default
+        elif isinstance(out[key], dict) and isinstance(default, dict):
+            out[key] = with_new_fields(out[key], default)
+    return out
+
+
 def migrate(results_dir: Path, dry_run: bool = False) -> dict[str, int]:
+    from omegaconf import OmegaConf
+
+    from quantmla.config import RunConfig
     from quantmla.job import narrow_eval
     from quantmla.tracking.store import config_hash, write_atomic
+
+    defaults = OmegaConf.to_container(OmegaConf.structured(RunConfig), resolve=True)
 
     counts = {"moved": 0, "current": 0, "conflict": 0, "unreadable": 0}
     for path in sorted(results_dir.glob("*/*/result.json")):
         try:
             record = json.loads(path.read_text())
-            config = narrow_eval(record["config"])
+            config = narrow_eval(with_new_fields(record["config"], defaults))
         except (ValueError, KeyError) as err:
             print(f"[migrate] skipped {path}: {err}", file=sys.stderr)
             counts["unreadable"] += 1

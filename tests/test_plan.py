@@ -119,3 +119,32 @@ def test_a_job_its_node_cannot_hold_is_refused_in_one_line(model, launcher, expe
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"hydra/launcher='{launcher}'" in lines[0] and expected in lines[0]
+
+
+def _gpu_check_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_refuses_without_cuda_in_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: `make gpu-check` runs for real")
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py"], cwd=REPO, capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: make gpu-check needs a CUDA device and none is visible here (on a CPU: make test)"
+    ]
+
+
+def test_gpu_check_job_runs_at_toy_size_on_cpu():
+    """The GPU job's code path (random-init V2-Lite dims, C4R4, plan beside it) on CPU."""
+    report = _gpu_check_module().perplexity_vs_plan("cpu", layers=2, seqlen=64, windows=2, batch=2)
+    assert report["perplexity"] > 1 and report["plan_gpu_gb"] > report["plan_weights_gb"] > 0
