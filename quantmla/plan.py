@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import sys
 
-from quantmla.planning import GB, GPU_GB, Plan, launcher_gpus, plan_job
+from quantmla.planning import GB, GPU_GB, NODE_GPUS, Plan, launcher_gpus, plan_job
 
 
 def sweep_overrides(params) -> list[list[str]]:
@@ -64,7 +64,11 @@ def main(argv: list[str] | None = None) -> None:
     except QuantMLAError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    node = f"{gpus} GPU(s) of {GPU_GB:.0f} GB per node" if gpus is not None else "no GPU node given"
+    node = (
+        f"{gpus} GPU(s) of {GPU_GB:.0f} GB per node"
+        if gpus is not None
+        else f"no SLURM node: model.device=auto is one {NODE_GPUS}-GPU node, cuda one GPU"
+    )
     print(f"launcher: {launcher} ({node}); plans from the published configs, nothing loaded\n")
     print(format_plans(plans))
 

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 GPU_GB = float(os.environ.get("QUANTMLA_GPU_GB", "141"))  # H200; an 80 GB H100: 80
+NODE_GPUS = int(os.environ.get("QUANTMLA_NODE_GPUS", "8"))  # one node, for model.device=auto
 RESERVE_GB = 4.0  # per GPU: CUDA context, allocator slack
 GB = 1e9
 
@@ -25,7 +26,7 @@ class Plan:
     working: int  # GPU activations: max(forward, one layer's attention)
     kv_cache: int  # GPU
     gpus_needed: int
-    gpus_available: int | None  # None: not a GPU job (CPU, or no launcher given)
+    gpus_available: int | None  # None: a CPU job
 
     @property
     def gpu_bytes(self) -> int:
@@ -41,8 +42,16 @@ def is_fp8_checkpoint(config) -> bool:
     return qc.get("quant_method") == "fp8"
 
 
+def default_gpus(cfg) -> int | None:
+    """The GPUs a job asks for without a launcher: one node for `model.device=auto`, one GPU for
+    `cuda`/`cuda:N`, none on a CPU."""
+    device = cfg.model.device
+    return NODE_GPUS if device == "auto" else (1 if device.startswith("cuda") else None)
+
+
 def plan_job(cfg, raw_config: dict, gpus_available: int | None) -> Plan:
-    """The memory plan of one job: `cfg` the run config, `raw_config` its published config.json."""
+    """The memory plan of one job: `cfg` the run config, `raw_config` its published config.json;
+    `gpus_available` the launcher node's GPUs (None: what `model.device` asks for)."""
     from quantmla.evaluation.registry import EVALUATORS
     from quantmla.models.loading import config_from_dict
     from quantmla.models.sizes import DTYPE_BYTES, mla_layer_count, param_counts
@@ -85,7 +94,10 @@ def plan_job(cfg, raw_config: dict, gpus_available: int | None) -> Plan:
     working = max(forward, attention)
     usable = (GPU_GB - RESERVE_GB) * GB
     needed = max(1, math.ceil((weights + working + kv) / usable))
-    available = gpus_available if cfg.model.device != "cpu" else None
+    if cfg.model.device == "cpu":
+        available = None
+    else:
+        available = gpus_available if gpus_available is not None else default_gpus(cfg)
     return Plan(
         label,
         "fp8 (E4M3 + block scales)" if native else dtype,

@@ -36,3 +36,50 @@ def test_generation_on_the_gpu_equals_the_cpu(backend):
     assert torch.equal(cpu_tokens, gpu_tokens)
     scale = cpu_logits.abs().max()
     assert float((gpu_logits - cpu_logits).abs().max() / scale) < 1e-3
+
+
+def test_native_fp8_checkpoint_runs_and_matches_the_dequantized_one(tmp_path):
+    """The GPU half of the FP8 path: transformers' FP8 layers (E4M3 weights, 128 × 128 scales,
+    576-row kv_a_proj_with_mqa included) against our dequantized load; adapters and the simulator
+    on the native model; fusion through its FP8 layers."""
+    from experiments.make_fp8_checkpoint import tiny_v3, write_fp8
+    from quantmla import patch_model
+    from quantmla.methods.base import MethodResult, apply_method
+    from quantmla.models.adapters import get_adapter
+    from quantmla.models.fp8 import dequantize_blocks
+    from quantmla.models.loading import load_pretrained
+    from quantmla.transforms import ContentTransform, LayerTransforms
+    from tests.test_fp8 import e4m3_bound, tokenizer_files
+
+    write_fp8(tiny_v3(), tmp_path / "fp8")
+    tokenizer_files(tmp_path / "fp8")
+    native, _ = load_pretrained(str(tmp_path / "fp8"), "bfloat16", device="cuda", fp8="native")
+    plain, _ = load_pretrained(str(tmp_path / "fp8"), "bfloat16", device="cuda", fp8="dequantize")
+    kv_a = native.model.layers[0].self_attn.kv_a_proj_with_mqa
+    assert kv_a.weight.dtype == torch.float8_e4m3fn and kv_a.weight_scale_inv.shape == (5, 8)
+    ids = torch.randint(
+        0, 512, (1, 48), device="cuda", generator=torch.Generator("cuda").manual_seed(0)
+    )
+    with torch.no_grad():
+        a, b = native(ids).logits.float(), plain(ids).logits.float()
+        patch_model(native, "c4r4", sink=4, recent=8)
+        c = native(ids).logits.float()
+    assert float((a - b).norm() / b.norm()) < 0.1  # FP8 activations too, in the native matmuls
+    assert torch.isfinite(c).all()
+    adapter = get_adapter(native.config)
+    module = adapter.attention_modules(native)[0]
+    before = dequantize_blocks(module.kv_b_proj.weight.data, module.kv_b_proj.weight_scale_inv.data)
+    scale = torch.rand(512, generator=torch.Generator().manual_seed(1)).double() + 0.5
+    layers = [
+        LayerTransforms(ContentTransform(torch.eye(512, dtype=torch.float64), scale), None)
+    ] * 2
+    apply_method(native, adapter, MethodResult("test", layers))
+    gamma = adapter.attention_modules(plain)[0].kv_a_layernorm.weight.double().cpu()
+    expected = (before.double().cpu() * gamma / scale).float()  # kv_b_proj ← W Γ S⁻¹ (R = I)
+    w = module.kv_b_proj
+    assert w.weight.dtype == torch.float8_e4m3fn
+    w_hat = dequantize_blocks(w.weight.data, w.weight_scale_inv.data).cpu()
+    assert (
+        (w_hat.double() - expected.double()).abs()
+        <= e4m3_bound(expected, w.weight_scale_inv.data.cpu()) + 1e-6
+    ).all()

@@ -76,8 +76,11 @@ def _plan(*overrides):
     }
 
 
-def test_plan_of_the_sensitivity_sweep_on_one_8_gpu_node():
-    rows = _plan("experiment=fig2_sensitivity", "hydra/launcher=slurm_8gpu")
+@pytest.mark.parametrize(
+    "launcher", [[], ["hydra/launcher=slurm_8gpu"]], ids=["default", "slurm_8gpu"]
+)
+def test_plan_of_the_sensitivity_sweep_on_one_8_gpu_node(launcher):
+    rows = _plan("experiment=fig2_sensitivity", *launcher)
     for model in ("deepseek_v3_base", "deepseek_r1", "kimi_k2_instruct"):
         row = rows[f"{model} c4r4 rtn sensitivity"]
         assert "fp8 (E4M3 + block scales)" in row and row.endswith("| 8 | yes |"), row

@@ -135,6 +135,8 @@ def load_pretrained(
                 "model.fp8", fp8, "dequantize on a machine without CUDA (FP8 matmuls need a GPU)"
             )
         config = config_from_dict(raw, keep_quantization=True)
+        if device.startswith("cuda"):  # transformers places FP8 layers while loading
+            placement = {"device_map": device}
     elif is_fp8_checkpoint(raw):
         scratch = tempfile.TemporaryDirectory(prefix="quantmla-dequantized-")
         source = str(dequantize_checkpoint(path_or_id, scratch.name))
