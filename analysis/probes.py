@@ -65,15 +65,9 @@ def points(records: list[dict]) -> list[Point]:
     return out
 
 
-def split(pts: list[Point]) -> tuple[list[Point], list[Point], str]:
-    models = list(dict.fromkeys(p.model for p in pts))
-    if len(models) > 1:
-        fit = [p for p in pts if p.model == models[0]]
-        return (
-            fit,
-            [p for p in pts if p.model != models[0]],
-            f"fit on {models[0]}, applied to {', '.join(models[1:])}",
-        )
+def within_model(pts: list[Point], named: bool = False) -> tuple[list[Point], list[Point], str]:
+    """One model's layers split in two: fit on the first half × WikiText-2 cells, applied to the
+    second half × C4 cells (no point in both)."""
     layers = sorted({p.layer for p in pts})
     first = set(layers[: len(layers) // 2])
     fit = [p for p in pts if p.layer in first and p.cell.startswith("wikitext2")]
@@ -82,10 +76,34 @@ def split(pts: list[Point]) -> tuple[list[Point], list[Point], str]:
         fit,
         held,
         (
-            f"fit on layers {min(first)}–{max(first)} × WikiText-2 cells, applied to layers "
-            f"{min(set(layers) - first)}–{max(layers)} × C4 cells"
+            (f"{pts[0].model}: " if named else "")
+            + f"fit on layers {min(first)}–{max(first)} × WikiText-2 cells, applied "
+            f"to layers {min(set(layers) - first)}–{max(layers)} × C4 cells"
         ),
     )
+
+
+def splits(pts: list[Point]) -> list[tuple[list[Point], list[Point], str]]:
+    """The paper's protocol first — γ fitted on every layer and cell of one model, applied
+    unchanged to another, in both directions — then each model's within-model split."""
+    models = list(dict.fromkeys(p.model for p in pts))
+    out = [
+        (
+            [p for p in pts if p.model == a],
+            [p for p in pts if p.model == b],
+            f"fit on {a}, applied to {b}",
+        )
+        for a in models
+        for b in models
+        if a != b
+    ]
+    named = len(models) > 1
+    return out + [within_model([p for p in pts if p.model == m], named) for m in models]
+
+
+def split(pts: list[Point]) -> tuple[list[Point], list[Point], str]:
+    """The first split of `splits` (across models when there are two)."""
+    return splits(pts)[0]
 
 
 def _base(p: Point, predictor: str) -> float:
@@ -99,10 +117,8 @@ def spearman(a, b) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def predictions(records: list[dict]) -> dict:
+def fit_and_evaluate(fit: list[Point], held: list[Point], description: str) -> dict:
     """γ per predictor on the fit set, and its errors on the evaluation set."""
-    pts = points(records)
-    fit, held, description = split(pts)
     results = {"split": description, "n_fit": len(fit), "n_eval": len(held), "predictors": {}}
     for predictor in PREDICTORS:
         gamma = float(np.mean([p.y - _base(p, predictor) for p in fit]))
@@ -119,8 +135,16 @@ def predictions(records: list[dict]) -> dict:
     return results
 
 
+def all_predictions(records: list[dict]) -> list[dict]:
+    return [fit_and_evaluate(*s) for s in splits(points(records))]
+
+
+def predictions(records: list[dict]) -> dict:
+    """The first split's γ and errors (across models when the records hold two)."""
+    return all_predictions(records)[0]
+
+
 def table5_rows(records: list[dict]) -> list[list[str]]:
-    res = predictions(records)
     rows = [
         [
             "predictor of log(G_P/G_C)",
@@ -132,18 +156,19 @@ def table5_rows(records: list[dict]) -> list[list[str]]:
             "split",
         ]
     ]
-    for name, r in res["predictors"].items():
-        rows.append(
-            [
-                name,
-                f"{r['gamma']:+.3f}",
-                f"{r['mae']:.3f}",
-                f"{r['rmse']:.3f}",
-                "—" if np.isnan(r["spearman"]) else f"{r['spearman']:.3f}",
-                f"{r['sign_agreement']:.2f}",
-                f"{res['split']} ({res['n_fit']} / {res['n_eval']} points)",
-            ]
-        )
+    for res in all_predictions(records):
+        for name, r in res["predictors"].items():
+            rows.append(
+                [
+                    name,
+                    f"{r['gamma']:+.3f}",
+                    f"{r['mae']:.3f}",
+                    f"{r['rmse']:.3f}",
+                    "—" if np.isnan(r["spearman"]) else f"{r['spearman']:.3f}",
+                    f"{r['sign_agreement']:.2f}",
+                    f"{res['split']} ({res['n_fit']} / {res['n_eval']} points)",
+                ]
+            )
     return rows
 
 

@@ -240,3 +240,45 @@ def test_study_figures_draw_from_records(tmp_path):
         draw, default = figures[name]
         paths = draw(records, tmp_path, f"tiny_{default}", default)
         assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def _probe_records(model: str, gamma: float, seed: int) -> list[dict]:
+    """Records whose gains obey log(G_P/G_C) = log(T_P/T_C) + log(A_P/A_C) + gamma exactly."""
+    rng, records = np.random.default_rng(seed), []
+    for dataset in ("wikitext2", "c4"):
+        m = {k: [] for k in ("G_content", "G_rope", "T_content", "T_rope", "A_content", "A_rope")}
+        for _ in range(4):
+            t_c, t_p, a_c, a_p = rng.uniform(0.5, 2.0, 4)
+            m["T_content"].append(t_c), m["T_rope"].append(t_p)
+            m["A_content"].append(a_c), m["A_rope"].append(a_p)
+            m["G_content"].append(t_c * a_c), m["G_rope"].append(t_p * a_p * np.exp(gamma))
+        metrics = {f"probes/{k}": v for k, v in m.items()} | {"probes/layers": [0, 1, 2, 3]}
+        records.append(
+            {
+                "config": {"model": {"name": model}, "eval": {"datasets": [dataset]}, "seed": 0},
+                "metrics": metrics,
+            }
+        )
+    return records
+
+
+def test_gamma_transfers_across_models_in_both_directions_then_within_each():
+    """The paper's protocol (fit on one model, apply unchanged to the other) both ways, then each
+    model's own split: a γ offset between the models is the transfer error, exactly."""
+    records = _probe_records("a", 0.3, 0) + _probe_records("b", 0.5, 1)
+    results = probe_tables.all_predictions(records)
+    assert [r["split"] for r in results] == [
+        "fit on a, applied to b",
+        "fit on b, applied to a",
+        results[2]["split"],
+        results[3]["split"],
+    ]
+    assert results[2]["split"].startswith("a: fit on layers") and results[3]["split"].startswith(
+        "b:"
+    )
+    a_to_b, b_to_a = (r["predictors"]["full"] for r in results[:2])
+    assert a_to_b["gamma"] == pytest.approx(0.3) and a_to_b["mae"] == pytest.approx(0.2)
+    assert b_to_a["gamma"] == pytest.approx(0.5) and b_to_a["mae"] == pytest.approx(0.2)
+    assert all(r["predictors"]["full"]["mae"] < 1e-12 for r in results[2:])
+    rows = probe_tables.table5_rows(records)
+    assert len(rows) == 1 + 4 * len(probe_tables.PREDICTORS)
