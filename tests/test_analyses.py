@@ -187,22 +187,7 @@ def test_model_ratio_is_ratio_of_means_not_mean_of_ratios():
 
 def test_gamma_split_is_disjoint_and_exact_when_the_model_holds():
     """With y = t + a + γ exactly, the full predictor transfers with zero error."""
-    records = []
-    rng = np.random.default_rng(0)
-    for dataset in ("wikitext2", "c4"):
-        m = {k: [] for k in ("G_content", "G_rope", "T_content", "T_rope", "A_content", "A_rope")}
-        for _ in range(4):
-            t_c, t_p, a_c, a_p = rng.uniform(0.5, 2.0, 4)
-            m["T_content"].append(t_c), m["T_rope"].append(t_p)
-            m["A_content"].append(a_c), m["A_rope"].append(a_p)
-            m["G_content"].append(t_c * a_c), m["G_rope"].append(t_p * a_p * np.exp(0.3))
-        metrics = {f"probes/{k}": v for k, v in m.items()} | {"probes/layers": [0, 1, 2, 3]}
-        records.append(
-            {
-                "config": {"model": {"name": "m"}, "eval": {"datasets": [dataset]}, "seed": 0},
-                "metrics": metrics,
-            }
-        )
+    records = _probe_records("m", 0.3, 0)
     fit, held, _ = probe_tables.split(probe_tables.points(records))
     assert fit and held and not {(p.cell, p.layer) for p in fit} & {(p.cell, p.layer) for p in held}
     res = probe_tables.predictions(records)["predictors"]
