@@ -243,6 +243,44 @@ def table6_rows(records: list[dict], paper: dict | None = None) -> list[list[str
     return rows
 
 
+def allocation_rows(records: list[dict]) -> list[list[str]]:
+    """Why an equal-energy redistribution of the content error does (not) raise its gain: the
+    isotropic direction has A = 1 and O ≈ 0 in expectation, so the decomposition predicts its gain
+    ratio as 1 / (A_C + O_C) of the QDQ direction — set beside the measured ratio, per layer and
+    cell. A_C < 1 means the QDQ error sits on less sensitive coordinates than average."""
+    rows = [
+        [
+            "model",
+            "A_C median (range)",
+            "O_C median",
+            "predicted isotropic ratio 1/(A_C+O_C), median",
+            "measured isotropic ratio, median",
+            "Spearman (predicted vs measured)",
+            "points",
+        ]
+    ]
+    by_model: dict[str, list] = {}
+    for r in _records(records):
+        m = r["metrics"]
+        measured = np.median(np.asarray(m["probes/ratio_isotropic"], dtype=float), axis=1)
+        for a, o, iso in zip(m["probes/A_content"], m["probes/O_content"], measured):
+            by_model.setdefault(r["config"]["model"]["name"], []).append((a, o, 1 / (a + o), iso))
+    for model, pts in by_model.items():
+        a = np.asarray(pts)
+        rows.append(
+            [
+                model,
+                f"{np.median(a[:, 0]):.3f} ({a[:, 0].min():.3f}–{a[:, 0].max():.3f})",
+                f"{np.median(a[:, 1]):+.3f}",
+                f"{np.median(a[:, 2]):.3f}×",
+                f"{np.median(a[:, 3]):.3f}×",
+                f"{spearman(a[:, 2], a[:, 3]):.3f}",
+                str(len(a)),
+            ]
+        )
+    return rows
+
+
 def fig7(records: list[dict], out: Path, stem: str) -> list:
     """(a) predicted vs observed log(G_P/G_C), fit and evaluation points; (b) intervention gain
     ratios; (c) JVP vs finite-perturbation gains."""

@@ -212,10 +212,11 @@ def study_tables(paper: dict) -> dict:
             lambda records: probes.table6_rows(records, paper.get("table6_interventions")),
             "table5_probes",
         ),
+        "allocation": (probes.allocation_rows, "table5_probes"),
     }
 
 
-STUDY_TABLES = ("table4", "table5", "table6")
+STUDY_TABLES = ("table4", "table5", "table6", "allocation")
 
 
 GENERATED = re.compile(r"(<!-- generated: (\S+) -->\n)(.*?)(\n<!-- end generated -->)", re.DOTALL)

@@ -267,3 +267,17 @@ def test_gamma_transfers_across_models_in_both_directions_then_within_each():
     assert all(r["predictors"]["full"]["mae"] < 1e-12 for r in results[2:])
     rows = probe_tables.table5_rows(records)
     assert len(rows) == 1 + 4 * len(probe_tables.PREDICTORS)
+
+
+def test_allocation_table_predicts_the_isotropic_ratio_from_a_and_o():
+    """1 / (A_C + O_C) is the isotropic direction's gain ratio when the decomposition holds."""
+    records = _probe_records("m", 0.3, 0)
+    for r in records:
+        m = r["metrics"]
+        m["probes/O_content"] = [0.1, -0.2, 0.3, 0.0]
+        m["probes/ratio_isotropic"] = [
+            [1 / (a + o)] * 3 for a, o in zip(m["probes/A_content"], m["probes/O_content"])
+        ]
+    header, row = probe_tables.allocation_rows(records)
+    assert header[0] == "model" and row[0] == "m" and row[-1] == "8"
+    assert row[3] == row[4] and row[5] == "1.000"
