@@ -112,7 +112,7 @@ def resolve(cfg) -> Job:
             None,
             f"a published config.json (eval.kind={evaluator.kind} reads only the config)",
         )
-    check_node(cfg, paths)
+    check_node(cfg, model_config)
     if not evaluator.implemented:
         raise NotImplementedYet(
             f"eval.kind={cfg.eval.kind!r} is not implemented yet ({evaluator.description}); "
@@ -130,20 +130,25 @@ def resolve(cfg) -> Job:
     return replace(partial, weights=weights, config=config, record_path=path)
 
 
-def check_node(cfg, paths: Paths) -> None:
+def check_node(cfg, model_config) -> None:
     """Under a SLURM launcher, the job's memory plan must fit one node (one line if not)."""
     from quantmla.planning import check_fits, current_launcher
 
     launcher = current_launcher()
-    if launcher is None or launcher[1] is None or not cfg.model.config:
+    if launcher is None or launcher[1] is None or model_config is None:
         return
-    check_fits(cfg, json.loads(paths.resolve(cfg.model.config).read_text()), *launcher)
+    check_fits(cfg, vars(model_config), *launcher)
 
 
 def check_fp8_native(cfg, model_config) -> None:
     """FP8 weights kept as FP8 need CUDA's FP8 matmuls: one line on a machine without them."""
-    qc = getattr(model_config, "quantization_config", None) or {}
-    if cfg.model.fp8 != "native" or qc.get("quant_method") != "fp8":
+    from quantmla.models.sizes import is_fp8_checkpoint
+
+    if (
+        cfg.model.fp8 != "native"
+        or model_config is None
+        or not is_fp8_checkpoint(vars(model_config))
+    ):
         return
     import torch
 

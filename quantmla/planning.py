@@ -7,6 +7,8 @@ attention), the simulated KV cache at the job's lengths, and the GPUs that needs
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -37,9 +39,13 @@ class Plan:
         return None if self.gpus_available is None else self.gpus_needed <= self.gpus_available
 
 
-def is_fp8_checkpoint(config) -> bool:
-    qc = getattr(config, "quantization_config", None) or {}
-    return qc.get("quant_method") == "fp8"
+@functools.cache
+def _param_counts(raw_json: str):
+    """One meta-device count per published config (a sweep plans each model's jobs many times)."""
+    from quantmla.models.loading import config_from_dict
+    from quantmla.models.sizes import param_counts
+
+    return param_counts(config_from_dict(json.loads(raw_json)))
 
 
 def default_gpus(cfg) -> int | None:
@@ -54,18 +60,17 @@ def plan_job(cfg, raw_config: dict, gpus_available: int | None) -> Plan:
     `gpus_available` the launcher node's GPUs (None: what `model.device` asks for)."""
     from quantmla.evaluation.registry import EVALUATORS
     from quantmla.models.loading import config_from_dict
-    from quantmla.models.sizes import DTYPE_BYTES, mla_layer_count, param_counts
+    from quantmla.models.sizes import DTYPE_BYTES, is_fp8_checkpoint, mla_layer_count
 
     config = config_from_dict(raw_config)
     evaluator = EVALUATORS[cfg.eval.kind]
-    fp8 = raw_config.get("quantization_config", {}).get("quant_method") == "fp8"
-    native = fp8 and cfg.model.fp8 == "native"
+    native = is_fp8_checkpoint(raw_config) and cfg.model.fp8 == "native"
     dtype = cfg.model.dtype if cfg.model.dtype != "auto" else "bfloat16"
     act = DTYPE_BYTES[dtype]
     label = f"{cfg.model.name} {cfg.precision.name} {cfg.method.name} {cfg.eval.kind}"
     if not evaluator.needs_model:
         return Plan(label, "-", 0, 0, 0, 0, 0, None)
-    counts = param_counts(config)
+    counts = _param_counts(json.dumps(raw_config, sort_keys=True))
     weights = counts.weight_bytes(dtype, fp8=native)
     ev, layers = cfg.eval, mla_layer_count(config)
     hidden, heads, vocab = config.hidden_size, config.num_attention_heads, config.vocab_size

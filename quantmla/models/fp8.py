@@ -63,10 +63,6 @@ def fp8_eligible(name: str, shape) -> bool:
     return name.endswith(".weight") and _fp8_eligible(name, tuple(shape))
 
 
-def is_fp8_checkpoint(raw_config: dict) -> bool:
-    return (raw_config.get("quantization_config") or {}).get("quant_method") == "fp8"
-
-
 def dequantize_checkpoint(src: str | Path, dst: str | Path, dtype=torch.bfloat16) -> Path:
     """Copy an FP8 block-quantized checkpoint as an ordinary `dtype` one, shard by shard (our own
     dequantization: transformers 5.24's on-load one requires every weight to be a whole number of

@@ -121,7 +121,8 @@ def load_pretrained(
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantmla.models.fp8 import dequantize_checkpoint, is_fp8_checkpoint
+    from quantmla.models.fp8 import dequantize_checkpoint
+    from quantmla.models.sizes import is_fp8_checkpoint
 
     check_safetensors(path_or_id)  # a hub id is no folder: nothing to check
     found = local_config_json(path_or_id)

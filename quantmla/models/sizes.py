@@ -43,6 +43,11 @@ class ParamCounts:
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 
 
+def is_fp8_checkpoint(raw_config: dict) -> bool:
+    """A published config.json of an FP8 block-quantized checkpoint (DeepSeek-V3 format)."""
+    return (raw_config.get("quantization_config") or {}).get("quant_method") == "fp8"
+
+
 def _fp8_eligible(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) >= 2 and not any(k in name for k in KEPT_HIGH_PRECISION)
 
