@@ -108,7 +108,7 @@ class CacheLayout:
 
 def layout(precision: str, d_c: int = 512, d_r: int = 64, **fields) -> CacheLayout:
     """The layout of `precision` ('c4r4', ...); the paper's dims by default."""
-    protection = {k: fields.pop(k) for k in ("sink", "recent") if k in fields}
+    protection = {k: fields.pop(k) for k in ("sink", "recent", "page_tokens") if k in fields}
     return CacheLayout(QuantizerSpec.from_precision(precision, **fields), d_c, d_r, **protection)
 
 

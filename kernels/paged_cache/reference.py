@@ -55,16 +55,18 @@ def read_tokens(pool: PagePool, request_id: int) -> tuple[torch.Tensor, torch.Te
     return out[0], out[1]
 
 
-def write_reference(pool: PagePool, pages, slots, c, k_r) -> None:
-    """Reference writer: each token's section bytes scattered to (page, slot)."""
-    flat = pool.storage.view(-1)
-    page_bytes = pool.layout.page_bytes()
-    for name, data in token_bytes(pool.layout, c, k_r).items():
-        start, _ = pool.layout.sections()[name]
+def write_reference(storage: torch.Tensor, layout: CacheLayout, pages, slots, c, k_r) -> None:
+    """Reference writer: each token's section bytes scattered to (page, slot) of `storage`
+    (n_pages, page_bytes) uint8 — a pool's, or an engine's block tensor viewed as pages."""
+    flat = storage.view(-1)
+    page_bytes = layout.page_bytes()
+    pages, slots = pages.to(storage.device, torch.int64), slots.to(storage.device, torch.int64)
+    for name, data in token_bytes(layout, c, k_r).items():
+        start, _ = layout.sections()[name]
         row = data.shape[-1]
         base = pages * page_bytes + start + slots * row  # int64
-        index = base[:, None] + torch.arange(row, device=pool.device)[None, :]
-        flat[index.flatten()] = data.flatten().to(pool.device)
+        index = base[:, None] + torch.arange(row, device=storage.device)[None, :]
+        flat[index.flatten()] = data.flatten().to(storage.device)
 
 
 def protected_positions(tokens: int, sink: int, recent: int) -> torch.Tensor:
@@ -74,11 +76,22 @@ def protected_positions(tokens: int, sink: int, recent: int) -> torch.Tensor:
     return (j < sink) | (j >= tokens - recent)
 
 
+def protection_slots(pos: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
+    """Row of a protection buffer that holds token `pos`: sinks at their position, every later
+    token in the ring slot sink + pos % recent (the decode kernel reads the same rows)."""
+    return torch.where(pos < sink, pos, sink + pos % max(recent, 1))
+
+
+def kept_in_protection(pos: torch.Tensor, tokens: int | torch.Tensor, sink: int, recent: int):
+    """Bool: which of the new tokens at `pos` a buffer of a `tokens`-long sequence must hold."""
+    return (pos < sink) | (pos >= tokens - recent)
+
+
 def protected_rows(pool: PagePool, request_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(positions, rows (n, d_c + d_r) float32) the request's protection buffer holds now."""
     layout, request = pool.layout, pool.request(request_id)
     pos = protected_positions(request.tokens, layout.sink, layout.recent).nonzero().flatten()
-    slot = torch.where(pos < layout.sink, pos, layout.sink + pos % max(layout.recent, 1))
+    slot = protection_slots(pos, layout.sink, layout.recent)
     return pos, request.protection[slot.to(request.protection.device)].float()
 
 

@@ -16,7 +16,13 @@ from quantmla.errors import ConfigError, NonFiniteCacheError
 from quantmla.quant import SCALE_FLOOR
 from quantmla_kernels.paged_cache.layout import check_packable, layout_constants
 from quantmla_kernels.paged_cache.pool import PagePool
-from quantmla_kernels.paged_cache.reference import write_reference
+from quantmla_kernels.paged_cache.reference import (
+    kept_in_protection,
+    protection_slots,
+    write_reference,
+)
+
+WRITER_BACKENDS = ("torch", "triton")
 
 try:  # the fused kernels need Triton (a GPU, or TRITON_INTERPRET=1 on CPU)
     import triton
@@ -42,8 +48,8 @@ def _write_protection(pool: PagePool, request_id: int, c, k_r) -> None:
     n = c.shape[0]
     pos = torch.arange(request.tokens - n, request.tokens)
     rows = torch.cat([c, k_r], dim=-1).to(request.protection.dtype)
-    keep = (pos < layout.sink) | (pos >= request.tokens - layout.recent)
-    slot = torch.where(pos < layout.sink, pos, layout.sink + pos % max(layout.recent, 1))
+    keep = kept_in_protection(pos, request.tokens, layout.sink, layout.recent)
+    slot = protection_slots(pos, layout.sink, layout.recent)
     request.protection[slot[keep].to(request.protection.device)] = rows[keep].to(
         request.protection.device
     )
@@ -68,16 +74,25 @@ def write_tokens(
                 f"request {request_id}: {name} has NaN/Inf at new token(s) "
                 f"{bad.nonzero().flatten().tolist()[:8]}; nothing was written"
             )
+    if backend not in WRITER_BACKENDS:
+        raise ConfigError("writer backend", backend, WRITER_BACKENDS)
     n = c.shape[0]
     pool.reserve(request_id, n)  # raises before anything is written
     pages, slots = _destinations(pool, request_id, n)
-    if backend == "torch":
-        write_reference(pool, pages, slots, c, k_r)
-    elif backend == "triton":
-        _write_triton(pool, pages, slots, c, k_r)
-    else:
-        raise ConfigError("writer backend", backend, ("torch", "triton"))
+    write_slots(pool.storage, layout, pages, slots, c, k_r, backend)
     _write_protection(pool, request_id, c, k_r)
+
+
+def write_slots(storage, layout, pages, slots, c, k_r, backend: str = "torch") -> None:
+    """Pack token rows `c` (n, d_c), `k_r` (n, d_r) into (page, slot) of `storage` (n_pages,
+    page_bytes) uint8: the writer without a pool, for caches whose page tables live elsewhere
+    (an engine's block tables)."""
+    if backend == "torch":
+        write_reference(storage, layout, pages, slots, c, k_r)
+    elif backend == "triton":
+        _write_triton(storage, layout, pages, slots, c, k_r)
+    else:
+        raise ConfigError("writer backend", backend, WRITER_BACKENDS)
 
 
 # ------------------------------------------------------------------------------------- Triton
@@ -190,14 +205,14 @@ if triton is not None:
         )
 
 
-def _write_triton(pool: PagePool, pages, slots, c, k_r) -> None:
+def _write_triton(storage, layout, pages, slots, c, k_r) -> None:
     if triton is None:  # pragma: no cover
         raise RuntimeError("backend=triton needs the triton package")
     _writer_kernel[(c.shape[0],)](
         c.float().contiguous(),
         k_r.float().contiguous(),
-        pages.contiguous(),
-        slots.contiguous(),
-        pool.storage,
-        **layout_constants(pool.layout),
+        pages.to(torch.int64).contiguous(),
+        slots.to(torch.int64).contiguous(),
+        storage,
+        **layout_constants(layout),
     )

@@ -268,7 +268,7 @@ def run_case(batch, context, heads, rounds, reps, with_baselines=True) -> list[d
         dest_slots = torch.full((batch,), (context - 1) % page, device=dev, dtype=torch.int64)
 
         def write(p_pool=p_pool, c=c, k=k, dest_pages=dest_pages, dest_slots=dest_slots):
-            _write_triton(p_pool, dest_pages, dest_slots, c, k)
+            _write_triton(p_pool.storage, p_pool.layout, dest_pages, dest_slots, c, k)
 
         writer[precision] = stats(cold_times(write, 20))["median_ms"]
     rows = []

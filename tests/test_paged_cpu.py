@@ -1,0 +1,81 @@
+"""kernels/paged_cache/cpu.py: the vectorized CPU decode over block tables, against the float64
+reference over the same pool, and the writer on raw page storage."""
+
+import pytest
+import torch
+
+from quantmla_kernels.paged_cache.cpu import decode_packed, decode_rows, dequantize_pages
+from quantmla_kernels.paged_cache.decode import stacked_inputs
+from quantmla_kernels.paged_cache.pool import PagePool
+from quantmla_kernels.paged_cache.reference import decode_reference, read_tokens
+from quantmla_kernels.paged_cache.writer import write_slots, write_tokens
+from tests.test_paged_kernels import latents, small_layout
+
+
+def filled_pool(lay, lengths, seed=0):
+    pool = PagePool(lay, sum(-(-n // lay.page_tokens) for n in lengths) + 2)
+    pool.free = torch.randperm(pool.n_pages, generator=torch.Generator().manual_seed(seed)).tolist()
+    for rid, n in enumerate(lengths):
+        pool.add_request(rid)
+        c, k = latents(n, lay.d_c, lay.d_r, seed=rid + seed)
+        write_tokens(pool, rid, c[: n // 2], k[: n // 2])  # prefill, then one token at a time
+        for t in range(n // 2, n):
+            write_tokens(pool, rid, c[t : t + 1], k[t : t + 1])
+    return pool
+
+
+@pytest.mark.parametrize("precision", ["c4r4", "c2r4", "c8r8"])
+@pytest.mark.parametrize("page_tokens", [16, 64])
+def test_cpu_decode_equals_the_float64_reference(precision, page_tokens):
+    lay = small_layout(precision, sink=4, recent=24, page_tokens=page_tokens)
+    lengths = [3, 28, 29, 100, 161]  # inside the window, at its edge, past it
+    pool = filled_pool(lay, lengths)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(len(lengths), 4, lay.d_c, generator=gen)
+    qr = torch.randn(len(lengths), 4, lay.d_r, generator=gen)
+    want, want_lse = decode_reference(pool, list(range(len(lengths))), q, qr, 0.09)
+    table, lens, prot = stacked_inputs(pool, list(range(len(lengths))))
+    got, lse = decode_packed(
+        q_lat=q, q_rope=qr, scaling=0.09, table=table, lens=lens, layout=lay,
+        storage=pool.storage, prot=prot,
+    )  # fmt: skip
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_dequantized_pages_are_the_readers_values():
+    lay = small_layout("c4r4", page_tokens=16)
+    pool = filled_pool(lay, [50, 7])
+    table, _, _ = stacked_inputs(pool, [0, 1])
+    c_hat, k_hat = dequantize_pages(pool.storage, lay, table, 4)
+    for rid, n in enumerate([50, 7]):
+        c, k = read_tokens(pool, rid)
+        assert torch.equal(c_hat[rid, :n], c) and torch.equal(k_hat[rid, :n], k)
+
+
+def test_row_pages_decode_is_exact_softmax_attention():
+    gen = torch.Generator().manual_seed(2)
+    pages = torch.randn(6, 16, 192, generator=gen).to(torch.bfloat16)
+    table = torch.tensor([[4, 1, 0], [2, 5, 3]])
+    lens = torch.tensor([40, 17], dtype=torch.int32)
+    q, qr = torch.randn(2, 3, 128, generator=gen), torch.randn(2, 3, 64, generator=gen)
+    got, _ = decode_rows(
+        q_lat=q, q_rope=qr, scaling=0.1, table=table, lens=lens, pages=pages, d_c=128
+    )
+    for b in range(2):
+        rows = pages[table[b]].reshape(-1, 192)[: lens[b]].double()
+        s = 0.1 * (q[b].double() @ rows[:, :128].T + qr[b].double() @ rows[:, 128:].T)
+        torch.testing.assert_close(
+            got[b].double(), torch.softmax(s, -1) @ rows[:, :128], rtol=1e-5, atol=1e-6
+        )
+
+
+def test_writer_on_raw_storage_equals_the_pool_writer():
+    lay = small_layout("c4r4", page_tokens=16)
+    pool = filled_pool(lay, [37])
+    raw = torch.zeros_like(pool.storage)
+    c, k = latents(37, lay.d_c, lay.d_r, seed=0)
+    pos = torch.arange(37)
+    pages = torch.tensor(pool.requests[0].pages)[pos // 16]
+    write_slots(raw, lay, pages, pos % 16, c, k)
+    assert torch.equal(raw, pool.storage)
