@@ -9,12 +9,8 @@ computes exactly the job's function. QuaRot†'s post-RoPE Hadamard runs online,
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
-
-FORMAT = "quantmla-export/1"
-MANIFEST = "quantmla.json"
 
 
 def check_out(cfg) -> Path:
@@ -41,69 +37,18 @@ def check_out(cfg) -> Path:
     return out
 
 
-def manifest(job, prepared) -> dict:
-    """What an engine needs to reproduce the job's cache, and where the weights came from."""
-    from quantmla.tracking.store import stable_hash
-
-    spec, policy, result = job.policy.spec, job.policy, prepared.method_result
-    return {
-        "format": FORMAT,
-        "method": job.cfg.method.name,
-        "precision": spec.precision,
-        "quantizer": {
-            "key": spec.key,
-            "content_bits": spec.content_bits,
-            "rope_bits": spec.rope_bits,
-            "group_size": spec.group_size,
-            "content_meta_dtype": spec.content_meta_dtype,
-            "rope_meta_dtype": spec.rope_meta_dtype,
-        },
-        "protection": {"sink": policy.sink, "recent": policy.recent},
-        "source": {"model": job.cfg.model.path, "weights": job.weights},
-        "artifact": stable_hash(result.metadata, 16) if result is not None else None,
-        "equivalence": {k: v for k, v in prepared.metrics.items() if k.startswith("equivalence/")},
-    }
-
-
 def export(cfg) -> Path:
-    import torch
-
+    from quantmla.checkpoint import write_checkpoint
     from quantmla.job import resolve
     from quantmla.prepare import prepare
-    from quantmla.simulator import unpatch_model
 
     out = check_out(cfg)
     job = resolve(cfg)
-    prepared = prepare(job)
-    model = unpatch_model(prepared.model)
-    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
-    if head.weight.data_ptr() == embeddings.weight.data_ptr():  # untie: write lm_head itself
-        head.weight = torch.nn.Parameter(head.weight.detach().clone())
-    model.config.tie_word_embeddings = False
-    if hasattr(model.config, "get_text_config"):
-        model.config.get_text_config().tie_word_embeddings = False
-    model.save_pretrained(out, safe_serialization=True)
-    prepared.tokenizer.save_pretrained(out)
-    (out / MANIFEST).write_text(json.dumps(manifest(job, prepared), indent=1, default=str) + "\n")
+    write_checkpoint(job, prepare(job), out)
     print(
         f"[quantmla] exported {cfg.model.name} ({cfg.method.name}, {job.policy.spec.precision}) to {out}"
     )
     return out
-
-
-def load_manifest(folder: str | Path) -> dict:
-    """quantmla.json of an export; one line if it is missing or of another format."""
-    from quantmla.errors import DataNotFoundError, QuantMLAError
-
-    path = Path(folder) / MANIFEST
-    if not path.is_file():
-        raise DataNotFoundError(
-            f"{folder}: no {MANIFEST}; make one with `python -m quantmla.export ... out={folder}`"
-        )
-    data = json.loads(path.read_text())
-    if data.get("format") != FORMAT:
-        raise QuantMLAError(f"{path}: format {data.get('format')!r}, expected {FORMAT!r}")
-    return data
 
 
 def main() -> None:

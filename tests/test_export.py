@@ -28,7 +28,8 @@ def test_export_reloads_to_the_jobs_numbers(tmp_path):
     from quantmla import patch_model
     from quantmla.data import load_text, perplexity_windows, tokenize
     from quantmla.evaluation.perplexity import perplexity
-    from quantmla.export import export, load_manifest
+    from quantmla.checkpoint import load_manifest
+    from quantmla.export import export
     from quantmla.models.loading import load_pretrained
     from quantmla.run import run
 
@@ -88,7 +89,7 @@ def test_export_refuses_online_transforms_and_a_used_folder(tmp_path):
 
 def test_a_folder_without_manifest_is_one_line(tmp_path):
     from quantmla.errors import DataNotFoundError
-    from quantmla.export import load_manifest
+    from quantmla.checkpoint import load_manifest
 
     with pytest.raises(DataNotFoundError, match="no quantmla.json"):
         load_manifest(tmp_path)

@@ -87,24 +87,90 @@ def _attend(q_lat, q_rope, scaling, regions):
     return p @ values, lse
 
 
+class _PackedPath:
+    """One path of the gathered pages in the form the grouped products need, without
+    dequantizing: the codes as floats (B, G, T, per_byte · group bytes), the m-th code of every
+    byte of a group first, then the (m+1)-th, and the per-group scale and zero (B, T, G), scales
+    zeroed where `keep` is False (bytes there may be stale)."""
+
+    def __init__(self, pages, layout: CacheLayout, path, keep):
+        b, n_pages, _ = pages.shape
+        t, g = layout.page_tokens, layout.spec.group_size
+        self.path, self.groups, self.per_byte = path, path.dim // g, 8 // path.bits
+        self.group_bytes, tokens = g // self.per_byte, n_pages * t
+        sections = layout.sections()
+
+        def section(kind, width):
+            start, size = sections[f"{path.name}_{kind}"]
+            return pages[..., start : start + size].reshape(b, tokens, width)
+
+        packed = section("codes", path.row_bytes).view(b, tokens, self.groups, self.group_bytes)
+        codes = torch.empty(b, self.groups, tokens, self.per_byte, self.group_bytes)
+        packed, mask = packed.permute(0, 2, 1, 3), (1 << path.bits) - 1
+        for m in range(self.per_byte):  # uint8 -> float32, straight into the grouped layout
+            codes[..., m, :].copy_((packed >> (m * path.bits)) & mask if m else packed & mask)
+        self.codes = codes.view(b, self.groups, tokens, -1)
+        scale = section("scales", self.groups * path.meta_dtype.itemsize)
+        scale = scale.contiguous().view(path.meta_dtype).float()
+        self.scale = torch.where(keep[..., None], scale, 0.0)
+        self.zero = section("zeros", self.groups).float()
+
+    def scores(self, q: torch.Tensor) -> torch.Tensor:
+        """(B, H, T) q · x̂_t = Σ_g s_g (q_g · codes_g) − Σ_g s_g z_g Σ_{k∈g} q_k."""
+        qg = q.reshape(*q.shape[:2], self.groups, self.group_bytes, self.per_byte)
+        q_codes = qg.transpose(-1, -2).reshape(*q.shape[:2], self.groups, -1)  # (B, H, G, K)
+        per_group = self.codes @ q_codes.permute(0, 2, 3, 1)  # (B, G, T, H)
+        scores = (per_group * self.scale.permute(0, 2, 1)[..., None]).sum(1)  # (B, T, H)
+        q_sum = qg.sum(dim=(-1, -2))  # (B, H, G)
+        scores = scores - (self.scale * self.zero) @ q_sum.transpose(1, 2)
+        return scores.transpose(1, 2)
+
+    def weighted_sum(self, p: torch.Tensor) -> torch.Tensor:
+        """(B, H, dim) Σ_t p_t x̂_t for weights p (B, H, T)."""
+        w = p[:, None] * self.scale.permute(0, 2, 1)[:, :, None, :]  # (B, G, H, T)
+        u = (w @ self.codes).view(*w.shape[:3], self.per_byte, self.group_bytes)
+        wz = (w * self.zero.permute(0, 2, 1)[:, :, None, :]).sum(-1)  # (B, G, H)
+        u = u - wz[..., None, None]
+        out = u.transpose(-1, -2).reshape(*w.shape[:3], -1)  # (B, G, H, g) in code order
+        return out.permute(0, 2, 1, 3).reshape(w.shape[0], w.shape[2], -1)
+
+
 def decode_packed(
     *, q_lat, q_rope, scaling, table, lens, layout: CacheLayout, storage, prot=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o (B, H, d_c) float32, lse (B, H)) over packed pages (all but the protected tokens) and
-    the stacked protection rows `prot` (B, sink + recent, d_c + d_r)."""
+    the stacked protection rows `prot` (B, sink + recent, d_c + d_r).
+
+    The codes are never dequantized: scores and the weighted sum are grouped products of the
+    unpacked bytes with the query (resp. the weights), scaled per group afterwards."""
+    check_packable(layout)
     n_pages = max(1, math.ceil(int(lens.max()) / layout.page_tokens))
-    c_hat, k_hat = dequantize_pages(storage, layout, table, n_pages)
+    pages = _gather_pages(storage, table, n_pages)
     pos = torch.arange(n_pages * layout.page_tokens, device=lens.device)[None, :]
     t = lens.to(torch.int64)[:, None]
-    regions = []
-    if layout.quantized and prot is not None:
-        keep = (pos < t) & (pos >= layout.sink) & (pos < t - layout.recent)
+    protected = layout.quantized and prot is not None
+    keep = (pos < t) & (pos >= layout.sink) & (pos < t - layout.recent) if protected else pos < t
+    content, rope = (_PackedPath(pages, layout, path, keep) for path in paths(layout))
+    q_lat, q_rope = q_lat.float(), q_rope.float()
+    scores = [
+        torch.where(
+            keep[:, None], scaling * (content.scores(q_lat) + rope.scores(q_rope)), -torch.inf
+        )
+    ]
+    if protected:
         _, valid = _protected_positions(lens, layout.sink, layout.recent, prot.shape[1])
         rows = prot.float()
-        regions = [(c_hat, k_hat, keep), (rows[..., : layout.d_c], rows[..., layout.d_c :], valid)]
-    else:
-        regions = [(c_hat, k_hat, pos < t)]
-    return _attend(q_lat, q_rope, scaling, regions)
+        c_p, k_p = rows[..., : layout.d_c], rows[..., layout.d_c :]
+        s_p = scaling * (q_lat @ c_p.transpose(1, 2) + q_rope @ k_p.transpose(1, 2))
+        scores.append(torch.where(valid[:, None], s_p, -torch.inf))
+    scores = torch.cat(scores, dim=-1)
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    tokens = keep.shape[1]
+    out = content.weighted_sum(p[..., :tokens])
+    if protected:
+        out = out + p[..., tokens:] @ c_p
+    return out, lse
 
 
 def decode_rows(*, q_lat, q_rope, scaling, table, lens, pages, d_c: int):

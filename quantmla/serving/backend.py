@@ -1,0 +1,256 @@
+"""The packed MLA cache as a vLLM attention backend (imports vLLM: the serving venv only).
+
+vLLM's MLA layer calls `do_kv_cache_update` with the new tokens' latent and RoPE key and their
+slots, then `forward_mha` for prefill tokens (queries, latent, RoPE key) and `forward_mqa` for
+decode tokens (queries already absorbed through W_UK; the layer applies W_UV to what we return).
+Here each block is one page of `quantmla.memory.CacheLayout` (its bytes per token are the
+memory model's, given to vLLM through `customize_spec`), the writer packs every token, the BF16
+sink + recent rows live in a per-layer `ProtectionTable` whose bytes come out of vLLM's explicit
+KV budget, prefill attends over the quantized history, decode reads pages + protection rows.
+BF16 mode (`additional_config={"quantmla": {"precision": "bf16"}}`) is the same backend over
+BF16 row pages. Chunked prefill, prefix caching and speculative decoding are refused at start-up:
+their context paths read earlier tokens through vLLM's own gather of BF16 rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from vllm.config import get_current_vllm_config_or_none
+from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
+from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+from quantmla.errors import QuantMLAError
+from quantmla.memory import CacheLayout
+from quantmla.serving.paged_attention import (
+    decode_latent,
+    decode_latent_rows,
+    page_storage,
+    prefill_attention,
+    write_packed,
+    write_rows,
+)
+from quantmla.serving.protection import ProtectionTable
+from quantmla.serving.settings import (
+    SERVABLE_WIDTHS,
+    ServeSettings,
+    check_geometry,
+    protection_budget,
+    resolve_settings,
+)
+
+BLOCK_SIZES = (16, 32, 64)  # powers of two: the Triton decode tiles one page
+
+
+@dataclass(frozen=True)
+class Served:
+    """What every layer of one engine shares: settings, geometry, layers, slots, device."""
+
+    settings: ServeSettings
+    d_c: int
+    d_r: int
+    layers: int
+    block_size: int
+    max_num_seqs: int
+    device: torch.device
+
+    @property
+    def layout(self) -> CacheLayout:
+        return self.settings.layout(self.d_c, self.d_r, self.block_size)
+
+    @property
+    def kernel(self) -> str:
+        if self.settings.kernel != "auto":
+            return self.settings.kernel
+        return "triton" if self.device.type == "cuda" else "torch"
+
+
+_SERVED: dict[int, Served] = {}  # id(vllm_config) -> its settings (one engine per process here)
+_BUDGETED: set[int] = set()  # id(cache_config) whose explicit budget already lost the protection
+
+
+def start_up_checks(config) -> Served:
+    """Every start-up refusal in one line, then the explicit KV budget minus the protection."""
+    if id(config) in _SERVED:
+        return _SERVED[id(config)]
+    hf = config.model_config.hf_config
+    d_c, d_r = hf.kv_lora_rank, hf.qk_rope_head_dim
+    check_geometry(d_c, d_r)
+    extra = (config.additional_config or {}).get("quantmla")
+    settings = resolve_settings(config.model_config.model, extra)
+    sched, cache = config.scheduler_config, config.cache_config
+    if sched.enable_chunked_prefill or cache.enable_prefix_caching:
+        raise QuantMLAError(
+            "the QuantMLA backend serves whole-prompt prefills: pass enable_chunked_prefill=False "
+            "and enable_prefix_caching=False (vLLM's chunked-context path gathers earlier tokens "
+            "as BF16 rows, which packed pages are not)"
+        )
+    if config.speculative_config is not None:
+        raise QuantMLAError(
+            "the QuantMLA backend decodes one token per step: no speculative decoding"
+        )
+    if cache.block_size not in BLOCK_SIZES:
+        raise QuantMLAError(f"block_size={cache.block_size} is not allowed; allowed: {BLOCK_SIZES}")
+    layers = config.model_config.get_num_layers(config.parallel_config)
+    served = Served(
+        settings, d_c, d_r, layers, cache.block_size, sched.max_num_seqs,
+        torch.device(config.device_config.device),
+    )  # fmt: skip
+    if cache.kv_cache_memory_bytes is not None and id(cache) not in _BUDGETED:
+        taken = protection_budget(
+            settings, d_c, d_r, layers, sched.max_num_seqs, cache.kv_cache_memory_bytes
+        )
+        cache.kv_cache_memory_bytes -= taken
+        _BUDGETED.add(id(cache))
+    _SERVED[id(config)] = served
+    return served
+
+
+def _current() -> Served | None:
+    config = get_current_vllm_config_or_none()
+    if config is not None and id(config) in _SERVED:
+        return _SERVED[id(config)]
+    return next(iter(_SERVED.values()), None)
+
+
+class QuantMLABackend(CPUMLABackend):
+    """vLLM's MLA scaffolding (metadata, W_UK/W_UV absorption) over the packed page layout."""
+
+    supported_dtypes = [torch.float16, torch.bfloat16, torch.float32]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(SERVABLE_WIDTHS)
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int]:
+        return list(BLOCK_SIZES)
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        return block_size is None or block_size in BLOCK_SIZES
+
+    @staticmethod
+    def get_name() -> str:
+        return "QUANTMLA"
+
+    @staticmethod
+    def get_impl_cls() -> type[QuantMLAImpl]:
+        return QuantMLAImpl
+
+    @classmethod
+    def customize_spec(cls, spec):
+        """Packed: uint8 pages of the memory model's bytes per token; BF16 mode: BF16 rows."""
+        served = _current()
+        if served is None or not isinstance(spec, MLAAttentionSpec):
+            return spec
+        if served.settings.quantized:
+            return replace(
+                spec,
+                dtype=torch.uint8,
+                state_content_bytes=served.settings.token_bytes(served.d_c, served.d_r),
+            )
+        return replace(spec, dtype=torch.bfloat16)
+
+
+class QuantMLAImpl(CPUMLAImpl):
+    can_return_lse_for_decode = False
+
+    def __init__(self, *args, **mla_args):
+        super().__init__(*args, **mla_args)
+        config = get_current_vllm_config_or_none()
+        if config is None:
+            raise QuantMLAError("the QuantMLA backend is built inside a vLLM engine only")
+        self.served = start_up_checks(config)
+        s = self.served.settings
+        self.layout = self.served.layout
+        self.protection = None
+        if s.quantized:
+            self.protection = ProtectionTable(
+                self.served.max_num_seqs, s.sink, s.recent, self.served.d_c + self.served.d_r,
+                getattr(torch, s.protection_dtype), self.served.device,
+            )  # fmt: skip
+        self._new_tokens = None  # (c, k_R) of this step, for the protection rows
+
+    # -- writing ---------------------------------------------------------------------------------
+    def do_kv_cache_update(
+        self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale
+    ):
+        if kv_cache.numel() == 0:
+            return
+        k_r = k_pe.reshape(k_pe.shape[0], -1)
+        self._new_tokens = (kv_c_normed, k_r)
+        if self.protection is None:
+            write_rows(kv_cache, slot_mapping, kv_c_normed, k_r)
+        else:
+            write_packed(
+                page_storage(kv_cache, self.layout), self.layout, slot_mapping, kv_c_normed, k_r,
+                self.served.kernel,
+            )  # fmt: skip
+
+    def _batch_blocks(self, attn_metadata) -> set[int]:
+        blocks = set()
+        for part in (attn_metadata.decode, attn_metadata.prefill):
+            if part is not None:
+                blocks.update(part.block_table[:, 0].tolist())
+        return blocks
+
+    # -- prefill ---------------------------------------------------------------------------------
+    def forward_mha(
+        self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
+        output_scale=None,
+    ):  # fmt: skip
+        prefill = attn_metadata.prefill
+        if prefill.chunked_context is not None:
+            raise QuantMLAError("a prefill with cached context reached the QuantMLA backend")
+        starts = prefill.query_start_loc.tolist()
+        k_r = k_pe.reshape(k_pe.shape[0], -1)
+        slots = None
+        if self.protection is not None:
+            slots = self.protection.assign(
+                prefill.block_table[:, 0].tolist(), [0] * (len(starts) - 1),
+                self._batch_blocks(attn_metadata),
+            )  # fmt: skip
+        s = self.served.settings
+
+        def kv_b_proj(x):
+            return self.kv_b_proj(x)[0]
+
+        for r, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+            if slots is not None:
+                rows = torch.cat([kv_c_normed[a:b], k_r[a:b]], dim=-1)
+                self.protection.write(int(slots[r]), 0, rows)
+            output[a:b] = prefill_attention(
+                q[a:b], kv_c_normed[a:b], k_r[a:b], kv_b_proj, s.spec, s.sink, s.recent,
+                self.qk_nope_head_dim, self.v_head_dim, self.scale,
+            ).to(output.dtype)  # fmt: skip
+
+    # -- decode ----------------------------------------------------------------------------------
+    def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
+        q_lat, q_rope = q if isinstance(q, tuple) else q.split([self.kv_lora_rank, -1], dim=-1)
+        decode = attn_metadata.decode
+        batch = q_lat.shape[0]
+        if attn_metadata.num_decode_tokens != attn_metadata.num_decodes:
+            raise QuantMLAError("the QuantMLA backend decodes one token per request and step")
+        table, lens = decode.block_table[:batch], decode.seq_lens[:batch]
+        if self.protection is None:
+            out = decode_latent_rows(
+                q_lat, q_rope, self.scale, table, lens, kv_c_and_k_pe_cache, self.kv_lora_rank,
+                self.served.kernel,
+            )  # fmt: skip
+            return out.to(q_lat.dtype), None
+        cached = (lens - 1).tolist()
+        slots = self.protection.assign(
+            table[:, 0].tolist(), cached, self._batch_blocks(attn_metadata)
+        )
+        c, k_r = self._new_tokens
+        rows = torch.cat([c[:batch], k_r[:batch]], dim=-1)
+        for b in range(batch):
+            self.protection.write(int(slots[b]), cached[b], rows[b : b + 1])
+        out = decode_latent(
+            q_lat, q_rope, self.scale, table, lens, self.layout,
+            page_storage(kv_c_and_k_pe_cache, self.layout), self.protection.rows(slots),
+            self.served.kernel,
+        )  # fmt: skip
+        return out.to(q_lat.dtype), None

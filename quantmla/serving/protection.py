@@ -1,0 +1,98 @@
+"""Per-request BF16 protection rows inside an engine that tells its attention backend no request ids.
+
+An engine hands the backend block tables, sequence lengths and slot mappings. Without prefix
+caching a live request's first physical block is its own, so it keys the request's protection
+slot: a row with no cached tokens yet takes a slot (the one its first block held before, else a
+free one, else the least recently seen slot of a request absent from this batch), a continuing
+row must find its slot holding exactly its cached token count — otherwise the rows were lost
+and the step stops with that reason instead of reading another request's rows. Every token is
+also packed, so a token leaving the window needs no rewrite (as `kernels/paged_cache/pool.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantmla.errors import QuantMLAError
+from quantmla_kernels.paged_cache.reference import kept_in_protection, protection_slots
+
+
+class ProtectionLostError(QuantMLAError, RuntimeError):
+    """A continuing request has no protection slot with its rows (more live requests than slots)."""
+
+
+class ProtectionTable:
+    """`buffer` (n_slots, sink + recent, width) of one layer, and which request holds each slot."""
+
+    def __init__(self, n_slots: int, sink: int, recent: int, width: int, dtype, device):
+        self.sink, self.recent = sink, recent
+        self.buffer = torch.zeros(n_slots, sink + recent, width, dtype=dtype, device=device)
+        self.owner: dict[int, int] = {}  # first physical block -> slot
+        self.tokens = [0] * n_slots  # cached tokens the slot's rows belong to
+        self.seen = [-1] * n_slots  # step at which the slot was last used
+        self.step = 0
+
+    @property
+    def n_slots(self) -> int:
+        return self.buffer.shape[0]
+
+    def _slot_of(self, block: int) -> int | None:
+        return self.owner.get(block)
+
+    def _take(self, block: int, batch_blocks: set[int]) -> int:
+        held = self._slot_of(block)
+        if held is not None:  # its first block was freed and handed out again
+            return held
+        owned = dict((slot, b) for b, slot in self.owner.items())
+        free = [s for s in range(self.n_slots) if s not in owned]
+        if not free:
+            free = sorted(
+                (s for s, b in owned.items() if b not in batch_blocks), key=lambda s: self.seen[s]
+            )
+        if not free:
+            raise ProtectionLostError(
+                f"{self.n_slots} protection slots are all held by requests of this batch; "
+                "max_num_seqs must not exceed the slots the backend allocated"
+            )
+        slot = free[0]
+        self.owner.pop(owned.get(slot), None)
+        self.owner[block] = slot
+        return slot
+
+    def assign(
+        self, first_blocks: list[int], cached: list[int], batch_blocks: set[int] | None = None
+    ) -> torch.Tensor:
+        """Slot per row (`cached` = tokens already in the cache before this step); `batch_blocks`:
+        the first blocks of the whole step's batch, whose slots are never taken."""
+        self.step += 1
+        batch = set(first_blocks) | (batch_blocks or set())
+        slots = []
+        for block, before in zip(first_blocks, cached):
+            if before == 0:
+                slot = self._take(block, batch)
+                self.tokens[slot] = 0
+            else:
+                slot = self._slot_of(block)
+                if slot is None or self.tokens[slot] != before:
+                    raise ProtectionLostError(
+                        f"the request whose first block is {block} has {before} cached tokens, "
+                        f"but its protection slot holds "
+                        f"{'none' if slot is None else self.tokens[slot]}"
+                    )
+            self.seen[slot] = self.step
+            slots.append(slot)
+        return torch.tensor(slots, dtype=torch.int64)
+
+    def write(self, slot: int, start: int, rows: torch.Tensor) -> None:
+        """Rows of positions start.. start + n of one request (the sinks and its last `recent`)."""
+        n = rows.shape[0]
+        end = start + n
+        pos = torch.arange(start, end)
+        keep = kept_in_protection(pos, end, self.sink, self.recent)
+        where = protection_slots(pos[keep], self.sink, self.recent).to(self.buffer.device)
+        self.buffer[slot, where] = rows[keep.to(rows.device)].to(self.buffer.dtype)
+        self.tokens[slot] = end
+
+    def rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """(B, sink + recent, width) the decode kernels read for these slots."""
+        return self.buffer.index_select(0, slots.to(self.buffer.device))

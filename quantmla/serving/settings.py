@@ -1,0 +1,161 @@
+"""What the serving backend caches, and how many bytes that takes (no vLLM import: testable in
+the project's venv).
+
+The cache format comes from the export's `quantmla.json` (quantizer spec + protection window);
+`additional_config={"quantmla": {...}}` may override fields, and `{"precision": "bf16"}` selects
+the BF16 mode of the same backend (any checkpoint, no manifest needed) for like-for-like
+baselines. Every check answers in one line at start-up, before vLLM allocates anything.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from quantmla.errors import ConfigError, QuantMLAError
+from quantmla.memory import CacheLayout
+from quantmla.quant import PACKABLE_BITS
+from quantmla.spec import META_DTYPE_BYTES, QuantizerSpec
+
+# Latent + RoPE widths vLLM's MLA layer accepts (MLACommonBackend.get_supported_head_sizes).
+SERVABLE_WIDTHS = (320, 512, 576)
+PROTECTION_DTYPES = ("bfloat16", "float32")
+KERNELS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """The cache one served model uses: precision, quantizer fields, protection and its dtype."""
+
+    precision: str = "bf16"
+    group_size: int = 64
+    content_meta_dtype: str = "bfloat16"
+    rope_meta_dtype: str = "float32"
+    sink: int = 4
+    recent: int = 128
+    protection_dtype: str = "bfloat16"  # BF16 as in the memory model; float32 for fp32 checks
+    kernel: str = "auto"  # auto: Triton on CUDA, the vectorized torch path on CPU
+
+    def __post_init__(self):
+        spec = self.spec  # validates precision, group size, metadata dtypes
+        if spec.quantized:
+            for name, bits in (("content", spec.content_bits), ("rope", spec.rope_bits)):
+                if bits not in PACKABLE_BITS:
+                    raise ConfigError(
+                        f"quantmla.precision ({name} bits)",
+                        self.precision,
+                        f"precisions whose both paths pack into bytes: bits in {PACKABLE_BITS} "
+                        "(e.g. c4r4, c2r4, c8r8), or bf16",
+                    )
+        for name in ("sink", "recent"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"quantmla.{name}", value, "an integer >= 0")
+        if self.protection_dtype not in PROTECTION_DTYPES:
+            raise ConfigError("quantmla.protection_dtype", self.protection_dtype, PROTECTION_DTYPES)
+        if self.kernel not in KERNELS:
+            raise ConfigError("quantmla.kernel", self.kernel, KERNELS)
+
+    @property
+    def spec(self) -> QuantizerSpec:
+        return QuantizerSpec.from_precision(
+            self.precision,
+            group_size=self.group_size,
+            content_meta_dtype=self.content_meta_dtype,
+            rope_meta_dtype=self.rope_meta_dtype,
+        )
+
+    @property
+    def quantized(self) -> bool:
+        return self.spec.quantized
+
+    def layout(self, d_c: int, d_r: int, page_tokens: int) -> CacheLayout:
+        """The packed layout with one engine block as one page."""
+        layout = CacheLayout(self.spec, d_c, d_r, self.sink, self.recent, page_tokens)
+        self.spec.check_dims(d_c, d_r)
+        return layout
+
+    def token_bytes(self, d_c: int, d_r: int) -> int:
+        """Bytes per token and layer in an engine page (the memory model's)."""
+        return CacheLayout(self.spec, d_c, d_r).token_bytes()
+
+    def protection_bytes(self, d_c: int, d_r: int) -> int:
+        """One request's protection buffer in one layer (0 in BF16 mode)."""
+        if not self.quantized:
+            return 0
+        return (self.sink + self.recent) * (d_c + d_r) * META_DTYPE_BYTES[self.protection_dtype]
+
+
+def check_geometry(d_c: int, d_r: int) -> None:
+    """vLLM's MLA serves only a few latent + RoPE widths; say so before it loads weights."""
+    if d_c + d_r not in SERVABLE_WIDTHS:
+        raise ConfigError(
+            "kv_lora_rank + qk_rope_head_dim",
+            f"{d_c} + {d_r} = {d_c + d_r}",
+            f"a width vLLM's MLA layer serves: {SERVABLE_WIDTHS} (e.g. tiny-mla-v2's 256 + 64; "
+            "tiny-mla's 128 + 64 cannot be served)",
+        )
+
+
+def resolve_settings(model_dir: str | Path, extra: dict | None) -> ServeSettings:
+    """The export's manifest, overridden by `additional_config["quantmla"]`; BF16 mode needs none."""
+    from quantmla.checkpoint import load_manifest
+
+    extra = dict(extra or {})
+    allowed = {f.name for f in fields(ServeSettings)}
+    unknown = sorted(set(extra) - allowed)
+    if unknown:
+        raise ConfigError("additional_config.quantmla", unknown, sorted(allowed))
+    if extra.get("precision") == "bf16":
+        return ServeSettings(**extra)
+    manifest = load_manifest(model_dir)
+    q = manifest["quantizer"]
+    base = {
+        "precision": manifest["precision"],
+        "group_size": q["group_size"],
+        "content_meta_dtype": q["content_meta_dtype"],
+        "rope_meta_dtype": q["rope_meta_dtype"],
+        **manifest["protection"],
+    }
+    return ServeSettings(**{**base, **extra})
+
+
+def protection_budget(
+    settings: ServeSettings, d_c: int, d_r: int, layers: int, max_num_seqs: int, kv_bytes: int
+) -> int:
+    """Bytes the protection buffers take out of an explicit KV budget (`max_num_seqs` requests in
+    every layer); one line if the budget cannot hold even one request's protection."""
+    one = settings.protection_bytes(d_c, d_r) * layers
+    if not one:
+        return 0
+    if kv_bytes < one:
+        raise QuantMLAError(
+            f"kv_cache_memory_bytes={kv_bytes} is smaller than one request's BF16 protection "
+            f"({settings.sink} + {settings.recent} tokens x {layers} layers = {one} B); "
+            "raise the budget or shrink quantmla.sink/recent"
+        )
+    total = one * max_num_seqs
+    if kv_bytes <= total:
+        raise QuantMLAError(
+            f"kv_cache_memory_bytes={kv_bytes} leaves no pages after the protection of "
+            f"max_num_seqs={max_num_seqs} requests ({total} B); lower max_num_seqs to at most "
+            f"{max(1, (kv_bytes - 1) // one)} or raise the budget"
+        )
+    return total
+
+
+def predicted_capacity(
+    settings: ServeSettings,
+    d_c: int,
+    d_r: int,
+    layers: int,
+    block_size: int,
+    kv_bytes: int,
+    max_num_seqs: int,
+) -> int:
+    """Tokens an engine can hold at an explicit KV budget: whole blocks of `block_size` tokens in
+    every layer, after the protection buffers (the memory model's bytes)."""
+    pages = kv_bytes - protection_budget(settings, d_c, d_r, layers, max_num_seqs, kv_bytes)
+    block = settings.token_bytes(d_c, d_r) * block_size * layers
+    return math.floor(pages / block) * block_size
