@@ -26,9 +26,9 @@ def export_config(*overrides):
 @needs_tiny
 def test_export_reloads_to_the_jobs_numbers(tmp_path):
     from quantmla import patch_model
+    from quantmla.checkpoint import load_manifest
     from quantmla.data import load_text, perplexity_windows, tokenize
     from quantmla.evaluation.perplexity import perplexity
-    from quantmla.checkpoint import load_manifest
     from quantmla.export import export
     from quantmla.models.loading import load_pretrained
     from quantmla.run import run
@@ -88,8 +88,8 @@ def test_export_refuses_online_transforms_and_a_used_folder(tmp_path):
 
 
 def test_a_folder_without_manifest_is_one_line(tmp_path):
-    from quantmla.errors import DataNotFoundError
     from quantmla.checkpoint import load_manifest
+    from quantmla.errors import DataNotFoundError
 
     with pytest.raises(DataNotFoundError, match="no quantmla.json"):
         load_manifest(tmp_path)

@@ -12,7 +12,7 @@ float64 `reference.decode_reference`.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -20,7 +20,7 @@ from quantmla.memory import CacheLayout
 from quantmla_kernels.paged_cache.layout import check_packable, paths
 
 
-@lru_cache(maxsize=None)
+@cache
 def _unpack_table(bits: int, device: torch.device) -> torch.Tensor:
     """(256, 8 // bits) float32: the codes of every byte, lowest bits first (`quant.pack`)."""
     byte = torch.arange(256, dtype=torch.int64)
