@@ -168,6 +168,7 @@ class GenerateConfig(RunConfig):
     prompt: str = opt("The history of", "text to continue (greedy); any text, quoted for you")
     prompt_file: str | None = opt(None, "read the prompt from this file instead ('-': stdin)")
     max_new_tokens: int = opt(32, "tokens to generate")
+    json_out: str | None = opt(None, "also write the continuation (text, token ids) as JSON here")
 
 
 @dataclass

@@ -8,9 +8,11 @@ works as `prompt=...` (it is quoted for Hydra here), or `prompt_file=PATH` (`-`:
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
+from pathlib import Path
 
 
 def cache_bytes(cache) -> int:
@@ -99,12 +101,17 @@ def generate(cfg) -> dict:
         f"[quantmla] cache bytes held for {tokens} tokens × {len(prepared.modules)} layers: "
         f"{held:,} (BF16 latent cache of the same tokens: {bf16:,}; {size_line(held, bf16, cfg.cache.backend)})"
     )
-    return {
+    result = {
         "text": tokenizer.decode(new),
+        "prompt_token_ids": ids[0].tolist(),
+        "token_ids": new.tolist(),
         "tokens_per_s": len(new) / seconds,
         "bytes": held,
         "bf16_bytes": bf16,
     }
+    if cfg.json_out:
+        Path(cfg.json_out).write_text(json.dumps(result) + "\n")
+    return result
 
 
 _PROMPT_ARG = re.compile(r"(prompt=)(.*)", re.DOTALL)

@@ -9,7 +9,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import quantmla.config  # noqa: E402,F401  (registers the structured-config schemas for compose())
+try:  # registers the structured-config schemas for compose(); the serving venv has no Hydra
+    import quantmla.config  # noqa: F401
+except ImportError:  # pragma: no cover - tests/serving under .venv-serve
+    pass
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("QUANTMLA_SHARED", REPO.parent / "shared"))

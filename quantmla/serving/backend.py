@@ -108,10 +108,12 @@ def start_up_checks(config) -> Served:
 
 
 def _current() -> Served | None:
+    """The engine whose KV spec vLLM is building: the current config's, else the one whose model
+    this process loaded last (vLLM asks for the spec right after loading the model)."""
     config = get_current_vllm_config_or_none()
     if config is not None and id(config) in _SERVED:
         return _SERVED[id(config)]
-    return next(iter(_SERVED.values()), None)
+    return next(reversed(_SERVED.values()), None)
 
 
 class QuantMLABackend(CPUMLABackend):

@@ -1,0 +1,75 @@
+"""Serving tests run in .venv-serve (`make serve-test`); references come from the project's venv.
+
+They need vLLM (absent from the project's venv, where this folder is not collected), the
+project's venv for exports and reference numbers, and the shared data."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+try:
+    import vllm  # noqa: F401
+except ImportError:  # the project's venv: these tests belong to `make serve-test`
+    collect_ignore_glob = ["test_*.py"]
+
+REPO = Path(__file__).resolve().parents[2]
+PROJECT_PY = Path(os.environ.get("QUANTMLA_PROJECT_PY", REPO / ".venv" / "bin" / "python"))
+SHARED = Path(os.environ.get("QUANTMLA_SHARED", REPO.parent / "shared"))
+WIKITEXT = SHARED / "data" / "wikitext-2-raw-v1" / "wiki.test.raw"
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in this process
+
+
+def project(*args: str, timeout: int = 600) -> str:
+    """Run the project's venv python with `args` from the repository root; its stdout."""
+    if not PROJECT_PY.is_file():
+        pytest.skip(f"needs the project's venv at {PROJECT_PY} (make setup)")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
+    done = subprocess.run(
+        [str(PROJECT_PY), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if done.returncode:
+        sys.stderr.write(done.stderr[-4000:])
+        raise RuntimeError(f"{' '.join(args[:3])} failed ({done.returncode}): {done.stderr[-500:]}")
+    return done.stdout
+
+
+def export(out: Path, *overrides: str) -> Path:
+    if not (out / "quantmla.json").is_file():
+        project("-m", "quantmla.export", *overrides, f"out={out}", "overwrite=true")
+    return out
+
+
+@pytest.fixture(scope="session")
+def exports(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("exports")
+    return {
+        "v2_rtn_c4r4": export(
+            root / "v2_rtn_c4r4", "model=tiny_mla_v2", "method=rtn", "precision=c4r4"
+        ),
+    }
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(exports) -> list[int]:
+    """~700 WikiText-2 test tokens: past the 4 + 128 protection window, inside the trained 2K."""
+    from transformers import AutoTokenizer
+
+    if not WIKITEXT.is_file():
+        pytest.skip(f"needs the shared data at {WIKITEXT}")
+    text = WIKITEXT.read_text()[1000:4600]
+    ids = AutoTokenizer.from_pretrained(exports["v2_rtn_c4r4"])(text).input_ids
+    return ids[:700]
+
+
+def reference_logprobs(model_dir, ids, precision="bf16", tmp=None) -> list:
+    path = Path(tmp) / f"ids-{len(ids)}.json"
+    path.write_text(json.dumps(ids))
+    out = project(
+        "tests/serving/project_side.py", "logprobs", "--model", str(model_dir),
+        "--ids", str(path), "--precision", precision,
+    )  # fmt: skip
+    return json.loads(out)
