@@ -1,3 +1,4 @@
+import contextlib
 import os
 from pathlib import Path
 
@@ -9,10 +10,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-try:  # registers the structured-config schemas for compose(); the serving venv has no Hydra
+# registers the structured-config schemas for compose(); the serving venv (tests/serving) has no Hydra
+with contextlib.suppress(ImportError):
     import quantmla.config  # noqa: F401
-except ImportError:  # pragma: no cover - tests/serving under .venv-serve
-    pass
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("QUANTMLA_SHARED", REPO.parent / "shared"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -34,7 +35,7 @@ def main() -> None:
     parser.add_argument("--sink", type=int, default=4)
     parser.add_argument("--recent", type=int, default=128)
     args = parser.parse_args()
-    ids = json.loads(open(args.ids).read())
+    ids = json.loads(Path(args.ids).read_text())
     torch.set_num_threads(2)
     print(json.dumps(logprobs(args.model, ids, args.precision, args.sink, args.recent)))
 
