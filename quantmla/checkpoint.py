@@ -15,14 +15,15 @@ FORMAT = "quantmla-export/1"
 MANIFEST = "quantmla.json"
 
 
-def manifest(job, prepared) -> dict:
+def manifest(cfg, prepared) -> dict:
     """What an engine needs to reproduce the job's cache, and where the weights came from."""
     from quantmla.tracking.store import stable_hash
 
-    spec, policy, result = job.policy.spec, job.policy, prepared.method_result
+    policy, result = prepared.policy, prepared.method_result
+    spec = policy.spec
     return {
         "format": FORMAT,
-        "method": job.cfg.method.name,
+        "method": cfg.method.name,
         "precision": spec.precision,
         "quantizer": {
             "key": spec.key,
@@ -33,13 +34,13 @@ def manifest(job, prepared) -> dict:
             "rope_meta_dtype": spec.rope_meta_dtype,
         },
         "protection": {"sink": policy.sink, "recent": policy.recent},
-        "source": {"model": job.cfg.model.path, "weights": job.weights},
+        "source": {"model": cfg.model.path, "weights": prepared.weights},
         "artifact": stable_hash(result.metadata, 16) if result is not None else None,
         "equivalence": {k: v for k, v in prepared.metrics.items() if k.startswith("equivalence/")},
     }
 
 
-def write_checkpoint(job, prepared, out: Path) -> Path:
+def write_checkpoint(cfg, prepared, out: Path) -> Path:
     """Save the prepared (fused) model untied and unpatched, its tokenizer and quantmla.json."""
     import torch
 
@@ -55,7 +56,7 @@ def write_checkpoint(job, prepared, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     prepared.tokenizer.save_pretrained(out)
-    (out / MANIFEST).write_text(json.dumps(manifest(job, prepared), indent=1, default=str) + "\n")
+    (out / MANIFEST).write_text(json.dumps(manifest(cfg, prepared), indent=1, default=str) + "\n")
     return out
 
 

@@ -88,6 +88,9 @@ class PathsConfig:
     )
     artifacts_dir: str | None = opt(None, "calibrated transforms; null: <results_dir>/artifacts")
     checkpoints_dir: str | None = opt(None, "base of a relative model.path; null: root")
+    serve_python: str = opt(
+        ".venv-serve/bin/python", "the serving venv's python (make serve-setup): vLLM runs there"
+    )
 
 
 @dataclass
@@ -132,6 +135,15 @@ class EvalConfig:
     haystacks: list[str] = opt(
         help="retrieval kind: noise (our filler) and/or c4 (C4 evaluation slice)", factory=list
     )
+    # throughput (Fig. 5c, through vLLM)
+    requests: int = opt(5, "throughput: requests submitted at once")
+    input_tokens: int = opt(2048, "throughput: prompt tokens per request")
+    output_tokens: int = opt(1024, "throughput: greedy tokens per request")
+    kv_cache_memory_bytes: int | None = opt(
+        None, "throughput: the whole KV budget (protection included); null: vLLM's memory default"
+    )
+    max_num_seqs: int = opt(8, "throughput: vLLM's max_num_seqs (protection slots per layer)")
+    tensor_parallel: int = opt(1, "throughput: vLLM tensor_parallel_size")
 
 
 @dataclass

@@ -44,7 +44,7 @@ def export(cfg) -> Path:
 
     out = check_out(cfg)
     job = resolve(cfg)
-    write_checkpoint(job, prepare(job), out)
+    write_checkpoint(cfg, prepare(job), out)
     print(
         f"[quantmla] exported {cfg.model.name} ({cfg.method.name}, {job.policy.spec.precision}) to {out}"
     )

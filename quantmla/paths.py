@@ -30,6 +30,7 @@ class Paths:
     results_dir: Path
     artifacts_dir: Path
     checkpoints_dir: Path
+    serve_python: Path | None = None  # the serving venv's python (vLLM jobs)
 
     @classmethod
     def from_config(cls, cfg) -> Paths:
@@ -46,6 +47,7 @@ class Paths:
             results_dir=results,
             artifacts_dir=under(cfg.artifacts_dir) if cfg.artifacts_dir else results / "artifacts",
             checkpoints_dir=under(cfg.checkpoints_dir) if cfg.checkpoints_dir else root,
+            serve_python=under(cfg.serve_python) if getattr(cfg, "serve_python", None) else None,
         )
 
     def resolve(self, path: str | os.PathLike) -> Path:

@@ -26,6 +26,7 @@ class Prepared:
     modules: list[nn.Module] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)  # method/* and equivalence/* for the record
     method_result: object = None  # the fused MethodResult (None for RTN)
+    weights: str | None = None  # fingerprint of the local checkpoint's weights (None: a hub id)
 
     @contextmanager
     def unquantized(self):
@@ -72,6 +73,7 @@ def prepare(job) -> Prepared:
     modules = adapter.attention_modules(model)
     patch_model(model, "bf16", sink=policy.sink, recent=policy.recent, group_size=policy.group_size)
     prepared = Prepared(model.config, policy, paths, model, tokenizer, adapter, modules)
+    prepared.weights = job.weights
 
     started = time.time()
     result = prepare_method(cfg, paths, model, adapter, tokenizer, policy.spec, job.weights)

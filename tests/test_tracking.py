@@ -9,7 +9,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from quantmla.errors import DataNotFoundError, NotImplementedYet
+from quantmla.errors import DataNotFoundError, NotImplementedYet, QuantMLAError
 from quantmla.evaluation.registry import EVALUATORS
 from quantmla.job import resolve as validate
 from quantmla.run import run
@@ -131,8 +131,9 @@ def test_every_experiment_job_validates(name, tmp_path, monkeypatch):
     assert cfg.experiment_name == name and cfg.hydra.mode.name == "MULTIRUN"
     jobs = sweep_jobs(name)
     assert jobs
+    serve = f"paths.serve_python={sys.executable}"  # throughput jobs: any existing python
     for job in jobs:
-        config = OmegaConf.to_object(resolved(*job, f"paths.results_dir={tmp_path}"))
+        config = OmegaConf.to_object(resolved(*job, f"paths.results_dir={tmp_path}", serve))
         evaluator = EVALUATORS[config.eval.kind]
         hub_model = evaluator.needs_model and not config.model.path.startswith("assets/")
         hub_tasks = config.eval.kind == "lm_eval" and any(
@@ -219,9 +220,13 @@ def test_launchers_resolve(launcher):
         ].startswith("/tmp/sweep")
 
 
-def test_not_implemented_artifacts_stop_cleanly():
-    with pytest.raises(NotImplementedYet, match="eval.kind='throughput' is not implemented yet"):
-        validate(OmegaConf.to_object(resolved("eval=throughput")))
+def test_throughput_without_a_serving_venv_stops_in_one_line(tmp_path):
+    with pytest.raises(QuantMLAError, match="paths.serve_python=.*make serve-setup"):
+        validate(
+            OmegaConf.to_object(
+                resolved("eval=throughput", f"paths.serve_python={tmp_path}/none/python")
+            )
+        )
 
 
 @pytest.mark.slow

@@ -124,9 +124,17 @@ EVALUATORS: dict[str, Evaluator] = {
         ),
         Evaluator(
             "throughput",
-            None,
-            "cache-pressure throughput (Fig. 5c)",
-            ("context_lengths",),
+            "quantmla.evaluation.throughput",
+            "cache-pressure throughput through vLLM with the QuantMLA backend (Fig. 5c)",
+            (
+                "requests",
+                "input_tokens",
+                "output_tokens",
+                "kv_cache_memory_bytes",
+                "max_num_seqs",
+                "tensor_parallel",
+            ),
+            "quantmla.evaluation.throughput:check",
         ),
     )
 }

@@ -248,8 +248,7 @@ class QuantMLAImpl(CPUMLAImpl):
         )
         c, k_r = self._new_tokens
         rows = torch.cat([c[:batch], k_r[:batch]], dim=-1)
-        for b in range(batch):
-            self.protection.write(int(slots[b]), cached[b], rows[b : b + 1])
+        self.protection.write_next(slots, cached, rows)
         out = decode_latent(
             q_lat, q_rope, self.scale, table, lens, self.layout,
             page_storage(kv_c_and_k_pe_cache, self.layout), self.protection.rows(slots),

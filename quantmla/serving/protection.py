@@ -93,6 +93,18 @@ class ProtectionTable:
         self.buffer[slot, where] = rows[keep.to(rows.device)].to(self.buffer.dtype)
         self.tokens[slot] = end
 
+    def write_next(self, slots: torch.Tensor, positions: list[int], rows: torch.Tensor) -> None:
+        """One new token per request (decode): row b at position `positions[b]` of slot b."""
+        pos = torch.tensor(positions)
+        keep = kept_in_protection(pos, pos + 1, self.sink, self.recent)
+        where = protection_slots(pos, self.sink, self.recent)
+        device = self.buffer.device
+        self.buffer[slots[keep].to(device), where[keep].to(device)] = rows[keep.to(rows.device)].to(
+            self.buffer.dtype
+        )
+        for slot, p in zip(slots.tolist(), positions):
+            self.tokens[slot] = p + 1
+
     def rows(self, slots: torch.Tensor) -> torch.Tensor:
         """(B, sink + recent, width) the decode kernels read for these slots."""
         return self.buffer.index_select(0, slots.to(self.buffer.device))

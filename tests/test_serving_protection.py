@@ -1,0 +1,65 @@
+"""quantmla/serving: the protection slots an engine's batches get (keyed by first block), the
+rows they hold, the byte budget, and the settings' refusals (no vLLM needed)."""
+
+import pytest
+import torch
+
+from quantmla.errors import ConfigError, QuantMLAError
+from quantmla.serving.protection import ProtectionLostError, ProtectionTable
+from quantmla.serving.settings import ServeSettings, predicted_capacity, protection_budget
+from quantmla_kernels.paged_cache.reference import protected_positions
+
+
+def test_rows_follow_the_pool_rule_through_prefill_and_decode():
+    table = ProtectionTable(2, sink=4, recent=8, width=3, dtype=torch.float32, device="cpu")
+    rows = torch.arange(40 * 3, dtype=torch.float32).view(40, 3)
+    [slot] = table.assign([7], [0]).tolist()
+    table.write(slot, 0, rows[:25])
+    for t in range(25, 40):
+        slots = table.assign([7], [t])
+        table.write_next(slots, [t], rows[t : t + 1])
+    held = table.rows(torch.tensor([slot]))[0]
+    for pos in protected_positions(40, 4, 8).nonzero().flatten().tolist():
+        where = pos if pos < 4 else 4 + pos % 8
+        assert torch.equal(held[where], rows[pos])
+
+
+def test_slots_are_reused_by_first_block_and_never_taken_from_the_batch():
+    table = ProtectionTable(2, sink=1, recent=2, width=1, dtype=torch.float32, device="cpu")
+    a, b = table.assign([10, 20], [0, 0]).tolist()
+    assert a != b
+    table.tokens[a], table.tokens[b] = 5, 5
+    with pytest.raises(ProtectionLostError, match="holds 5"):
+        table.assign([10], [4])  # a continuing request must find exactly its tokens
+    # request 20 finished; a new request whose first block is 30 takes its slot (not 10's: in batch)
+    [c] = table.assign([30], [0], batch_blocks={10}).tolist()
+    assert c == b
+    with pytest.raises(ProtectionLostError, match="has 5 cached tokens.*none"):
+        table.assign([20], [5])  # 20's rows are gone: stop, never read another request's rows
+    with pytest.raises(ProtectionLostError, match="all held by requests of this batch"):
+        table.assign([40], [0], batch_blocks={10, 30})
+
+
+def test_budget_and_capacity_arithmetic():
+    s = ServeSettings(precision="c4r4")
+    one = 132 * 320 * 2 * 6  # sink + recent rows x (256 + 64) x BF16 x 6 layers
+    assert protection_budget(s, 256, 64, 6, 8, 30_000_000) == 8 * one
+    block = 184 * 16 * 6
+    assert (
+        predicted_capacity(s, 256, 64, 6, 16, 30_000_000, 8) == (30_000_000 - 8 * one) // block * 16
+    )
+    bf16 = ServeSettings(precision="bf16")
+    assert predicted_capacity(bf16, 256, 64, 6, 16, 30_000_000, 8) == 30_000_000 // (640 * 96) * 16
+    with pytest.raises(QuantMLAError, match="smaller than one request's BF16 protection"):
+        protection_budget(s, 256, 64, 6, 8, one - 1)
+    with pytest.raises(QuantMLAError, match="lower max_num_seqs to at most 3"):
+        protection_budget(s, 256, 64, 6, 8, 3 * one + 5)
+
+
+def test_settings_refuse_what_the_writer_cannot_pack():
+    with pytest.raises(ConfigError, match="c3r4"):
+        ServeSettings(precision="c3r4")
+    with pytest.raises(ConfigError, match="c4r16"):
+        ServeSettings(precision="c4r16")  # a BF16 RoPE key is not a packed path here
+    with pytest.raises(ConfigError, match="protection_dtype"):
+        ServeSettings(precision="c4r4", protection_dtype="int8")
