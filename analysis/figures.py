@@ -1,9 +1,10 @@
 """Regenerate a figure (PNG and PDF) from the results store only.
 
-    python -m analysis.figures {fig2,fig4,fig5a,fig5b,fig6,fig7} [--experiment NAME] [--results results] [--out docs]
+    python -m analysis.figures {fig2,fig4,fig5a,fig5b,fig5c,fig6,fig7} [--experiment NAME] [--results results] [--out docs]
 
 `fig4`: RULER S-NIAH accuracy vs context length (`experiment=fig4_ruler`).
 `fig5b`: decode latency relative to BF16 vs context (`experiment=fig5b_latency`, needs a GPU).
+`fig5c`: cache-pressure serving through vLLM, BF16 vs packed (`experiment=fig5c_throughput`).
 
 `fig2`, `fig6`: the sensitivity study (`experiment=fig2_sensitivity`, analysis/sensitivity.py);
 `fig7`: the operator analysis (`experiment=table5_probes`, analysis/probes.py).
@@ -186,6 +187,46 @@ def fig5b(records: list[dict], out: Path, stem: str) -> list[Path]:
     return save(fig, out, stem)
 
 
+def fig5c(records: list[dict], out: Path, stem: str) -> list[Path]:
+    """Cache-pressure serving under vLLM's scheduler, BF16 mode vs the packed cache: KV token
+    capacity, running requests (max and mean), preemptions, engine steps and output tok/s, with
+    the paper's numbers (its own workload and GPUs) beside ours."""
+    plt = pyplot()
+    paper = yaml.safe_load(PAPER.read_text())["fig5c_throughput"]["c4r4"]
+    by_precision = {r["config"]["precision"]["name"]: r["metrics"] for r in records}
+    order = [p for p in ("bf16", "c4r4", "c2r4") if p in by_precision]
+    panels = [
+        ("kv_capacity_tokens", "KV capacity (tokens)"),
+        ("running_max", "running requests (max / mean)"),
+        ("preemptions", "preemptions"),
+        ("engine_steps", "engine steps"),
+        ("output_tok_s", "output tokens/s"),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.0 * len(panels), 3.4))
+    colors = {"bf16": "0.5", "c4r4": "C0", "c2r4": "C3"}
+    for ax, (key, title) in zip(axes, panels):
+        values = [by_precision[p][f"throughput/{key}"] for p in order]
+        bars = ax.bar(order, values, color=[colors[p] for p in order])
+        if key == "running_max":
+            means = [by_precision[p]["throughput/running_mean"] for p in order]
+            ax.scatter(order, means, color="k", marker="_", s=400, zorder=3, label="mean")
+            ax.legend(fontsize=7)
+        ax.bar_label(bars, fmt="%.4g", fontsize=7)
+        ax.set_title(title, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    m = records[0]["metrics"]
+    model = records[0]["config"]["model"]["name"]
+    fig.suptitle(
+        f"{model}: {m['throughput/requests']} requests x ({m['throughput/input_tokens']} in, "
+        f"{m['throughput/output_tokens']} out), one KV budget, vLLM scheduler. Paper (its GPUs, "
+        f"128K in): BF16 {paper['bf16_preemptions']} preemptions, {paper['bf16_tok_s']} -> "
+        f"{paper['c4r4_tok_s']} tok/s ({paper['speedup']}x)",
+        fontsize=8,
+    )
+    fig.tight_layout()
+    return save(fig, out, stem)
+
+
 def _named(draw, name):
     """A study figure whose file name carries the experiment when it is not the paper's."""
 
@@ -205,12 +246,13 @@ def _figures():
         "fig4": (_named(fig4, "fig4_ruler"), "fig4_ruler"),
         "fig5a": (_fig5a, "fig5a_memory"),
         "fig5b": (_named(fig5b, "fig5b_latency"), "fig5b_latency"),
+        "fig5c": (_named(fig5c, "fig5c_throughput"), "fig5c_throughput"),
         "fig6": (_named(sensitivity.fig6, "fig6_sensitivity_layers"), "fig2_sensitivity"),
         "fig7": (_named(probes.fig7, "fig7_operator"), "table5_probes"),
     }
 
 
-FIGURES = ("fig2", "fig4", "fig5a", "fig5b", "fig6", "fig7")
+FIGURES = ("fig2", "fig4", "fig5a", "fig5b", "fig5c", "fig6", "fig7")
 
 
 def main() -> None:

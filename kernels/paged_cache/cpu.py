@@ -69,24 +69,6 @@ def _protected_positions(lens: torch.Tensor, sink: int, recent: int, rows: int):
     return pos, valid
 
 
-def _attend(q_lat, q_rope, scaling, regions):
-    """One softmax over every region [(ĉ (B, T, d_c), k̂ (B, T, d_r), keep (B, T))]: (o, lse)."""
-    q_lat, q_rope = q_lat.float(), q_rope.float()
-    scores = [
-        torch.where(
-            keep[:, None, :],
-            scaling * (q_lat @ c.transpose(1, 2) + q_rope @ k.transpose(1, 2)),
-            float("-inf"),
-        )
-        for c, k, keep in regions
-    ]
-    scores = torch.cat(scores, dim=-1)
-    lse = torch.logsumexp(scores, dim=-1)
-    p = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
-    values = torch.cat([c for c, _, _ in regions], dim=1)
-    return p @ values, lse
-
-
 class _PackedPath:
     """One path of the gathered pages in the form the grouped products need, without
     dequantizing: the codes as floats (B, G, T, per_byte · group bytes), the m-th code of every
@@ -119,11 +101,10 @@ class _PackedPath:
         """(B, H, T) q · x̂_t = Σ_g s_g (q_g · codes_g) − Σ_g s_g z_g Σ_{k∈g} q_k."""
         qg = q.reshape(*q.shape[:2], self.groups, self.group_bytes, self.per_byte)
         q_codes = qg.transpose(-1, -2).reshape(*q.shape[:2], self.groups, -1)  # (B, H, G, K)
-        per_group = self.codes @ q_codes.permute(0, 2, 3, 1)  # (B, G, T, H)
-        scores = (per_group * self.scale.permute(0, 2, 1)[..., None]).sum(1)  # (B, T, H)
+        per_group = q_codes.transpose(1, 2) @ self.codes.transpose(-1, -2)  # (B, G, H, T)
+        scores = (per_group * self.scale.permute(0, 2, 1)[:, :, None, :]).sum(1)  # (B, H, T)
         q_sum = qg.sum(dim=(-1, -2))  # (B, H, G)
-        scores = scores - (self.scale * self.zero) @ q_sum.transpose(1, 2)
-        return scores.transpose(1, 2)
+        return scores - q_sum @ (self.scale * self.zero).transpose(1, 2)
 
     def weighted_sum(self, p: torch.Tensor) -> torch.Tensor:
         """(B, H, dim) Σ_t p_t x̂_t for weights p (B, H, T)."""
@@ -175,10 +156,15 @@ def decode_packed(
 
 def decode_rows(*, q_lat, q_rope, scaling, table, lens, pages, d_c: int):
     """The same attention over row pages (n_pages, page, d_c + d_r) of any float dtype (every
-    token unquantized): the BF16 cache of an engine."""
+    token unquantized): the BF16 cache of an engine. Rows stay whole: one product for the scores
+    ([q̃ | q_R] · [c | k_R]) and one for the weighted sum (its RoPE columns dropped after)."""
     n_pages = max(1, math.ceil(int(lens.max()) / pages.shape[1]))
     index = table[:, :n_pages].reshape(-1).to(torch.int64)
     rows = pages.index_select(0, index).view(table.shape[0], -1, pages.shape[-1]).float()
-    pos = torch.arange(rows.shape[1], device=lens.device)[None, :]
-    keep = pos < lens.to(torch.int64)[:, None]
-    return _attend(q_lat, q_rope, scaling, [(rows[..., :d_c], rows[..., d_c:], keep)])
+    pos = torch.arange(rows.shape[1], device=lens.device)[None, None, :]
+    keep = pos < lens.to(torch.int64)[:, None, None]
+    q = torch.cat([q_lat.float(), q_rope.float()], dim=-1)
+    scores = torch.where(keep, scaling * (q @ rows.transpose(1, 2)), -torch.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    return (p @ rows)[..., :d_c], lse
