@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup run test test-full lint format bench bench-gpu train-tiny train-tiny-v2 sweep-tiny tables figures serve-setup gpu-check
+.PHONY: setup run test test-full lint format bench bench-gpu train-tiny train-tiny-v2 sweep-tiny tables figures serve-setup serve-test gpu-check
 
 setup:
 	test -x $(PY) || python3 -m venv .venv
@@ -34,6 +34,9 @@ format:
 
 bench:
 	$(PY) benchmarks/simulator_overhead.py
+
+serve-test:   # the vLLM backend's tests (tests/serving) in .venv-serve; references from .venv
+	$(SERVE_PY) -m pytest -q -p no:cacheprovider tests/serving
 
 gpu-check:   # the first GPU run, one command (< 8 min on one H200): gpu tests, a CUDA job vs its memory plan, latency --quick; one JSON report
 	$(PY) benchmarks/gpu_check.py --out results/gpu_check.json
@@ -68,6 +71,6 @@ serve-setup:   # vLLM in its own venv (.venv-serve): its torch/transformers pins
 		$(SERVE_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; \
 	fi
 	$(SERVE_PY) -m pip install -q --no-deps -e .   # the project, without re-resolving vLLM's pins
-	$(SERVE_PY) -m pip install -q "pytest>=8"
+	$(SERVE_PY) -m pip install -q "pytest>=8" "lm-eval==0.4.13"   # serve-test; eval.engine=vllm
 	$(SERVE_PY) -c "import vllm, quantmla.export, quantmla_kernels.paged_cache.reference; print('vllm', vllm.__version__)"
 

@@ -132,6 +132,11 @@ class EvalConfig:
     )
     max_gen_toks: int | None = opt(None, "generation budget for every generate task (null: task's)")
     apply_chat_template: bool = opt(False, "chat template (thinking disabled) for every prompt")
+    engine: str = opt(
+        "hf",
+        "lm_eval / ruler: hf (transformers + the job's cache, here) | vllm (lm-eval's vllm model "
+        "on the job's export with the QuantMLA backend, in the serving venv)",
+    )
     haystacks: list[str] = opt(
         help="retrieval kind: noise (our filler) and/or c4 (C4 evaluation slice)", factory=list
     )

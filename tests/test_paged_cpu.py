@@ -79,3 +79,37 @@ def test_writer_on_raw_storage_equals_the_pool_writer():
     pages = torch.tensor(pool.requests[0].pages)[pos // 16]
     write_slots(raw, lay, pages, pos % 16, c, k)
     assert torch.equal(raw, pool.storage)
+
+
+@pytest.mark.parametrize("precision", ["c4r4", "c2r4"])
+def test_the_backends_triton_and_torch_paths_agree_on_engine_tensors(precision):
+    """quantmla.serving's decode and writer on vLLM-shaped tensors (16-token blocks, int32 block
+    tables, slot mapping with padding): the Triton kernels (interpreted on CPU) = the torch path."""
+    from quantmla.serving.paged_attention import decode_latent, decode_latent_rows, write_packed
+    from quantmla.serving.settings import ServeSettings
+
+    lay = ServeSettings(precision=precision, sink=4, recent=24).layout(128, 64, 16)
+    gen = torch.Generator().manual_seed(3)
+    lengths = [5, 40, 90]
+    table = torch.randperm(20, generator=gen)[:18].view(3, 6).to(torch.int32)
+    slots = torch.cat([table[b, torch.arange(n) // 16].long() * 16 + torch.arange(n) % 16
+                       for b, n in enumerate(lengths)] + [torch.tensor([-1, -1])])  # fmt: skip
+    c, k = latents(slots.shape[0], 128, 64, seed=4)
+    stores = {}
+    for kernel in ("torch", "triton"):
+        stores[kernel] = torch.zeros(20, lay.page_bytes(), dtype=torch.uint8)
+        write_packed(stores[kernel], lay, slots, c, k, kernel)
+    assert torch.equal(stores["torch"], stores["triton"])
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    q, qr = torch.randn(3, 4, 128, generator=gen), torch.randn(3, 4, 64, generator=gen)
+    prot = torch.randn(3, 28, 192, generator=gen).to(torch.bfloat16)
+    got = {
+        kernel: decode_latent(q, qr, 0.1, table, lens, lay, stores["torch"], prot, kernel)
+        for kernel in ("torch", "triton")
+    }
+    torch.testing.assert_close(got["triton"], got["torch"], rtol=1e-4, atol=1e-4)
+    rows = torch.randn(20, 16, 192, generator=gen).to(torch.bfloat16)
+    got = {
+        k: decode_latent_rows(q, qr, 0.1, table, lens, rows, 128, k) for k in ("torch", "triton")
+    }
+    torch.testing.assert_close(got["triton"], got["torch"], rtol=1e-4, atol=1e-4)

@@ -221,7 +221,9 @@ def test_launchers_resolve(launcher):
 
 
 def test_throughput_without_a_serving_venv_stops_in_one_line(tmp_path):
-    with pytest.raises(QuantMLAError, match="paths.serve_python=.*make serve-setup"):
+    with pytest.raises(
+        QuantMLAError, match="paths.serve_python=.*does not exist.*make serve-setup"
+    ):
         validate(
             OmegaConf.to_object(
                 resolved("eval=throughput", f"paths.serve_python={tmp_path}/none/python")

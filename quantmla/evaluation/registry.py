@@ -19,7 +19,15 @@ PERPLEXITY_FIELDS = (
     "compare_bf16",
     "nmse_windows",
 )
-LM_EVAL_FIELDS = ("tasks", "limit", "data", "max_gen_toks", "apply_chat_template", "batch_size")
+LM_EVAL_FIELDS = (
+    "tasks",
+    "limit",
+    "data",
+    "max_gen_toks",
+    "apply_chat_template",
+    "batch_size",
+    "engine",
+)
 STUDY_FIELDS = (
     "datasets",
     "splits",

@@ -38,22 +38,16 @@ SHOWN = (
 
 def check(cfg, job) -> None:
     """One line before anything loads: the serving venv, the lengths, the servable cache."""
-    from quantmla.serving.settings import ServeSettings, check_geometry
+    from quantmla.serving.settings import check_servable
 
     e = cfg.eval
     for name in ("requests", "input_tokens", "output_tokens", "max_num_seqs", "tensor_parallel"):
         value = getattr(e, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"eval.{name}", value, "an integer >= 1")
-    python = job.paths.serve_python
-    if python is None or not Path(python).is_file():
-        raise QuantMLAError(
-            f"paths.serve_python={python}: no serving venv; run `make serve-setup` (vLLM in "
-            ".venv-serve) or point paths.serve_python at a python with vLLM and this project"
-        )
+    check_servable(job.paths.serve_python, job.model_config, job.policy, "eval.kind=throughput")
     config = job.model_config
     if config is not None:
-        check_geometry(config.kv_lora_rank, config.qk_rope_head_dim)
         longest = getattr(config, "max_position_embeddings", None)
         if longest and e.input_tokens + e.output_tokens > longest:
             raise ConfigError(
@@ -61,8 +55,6 @@ def check(cfg, job) -> None:
                 e.input_tokens + e.output_tokens,
                 f"at most the model's max_position_embeddings ({longest})",
             )
-    p = job.policy
-    ServeSettings(p.precision, p.group_size, sink=p.sink, recent=p.recent)  # packable?
 
 
 def _workload_text(cfg, prepared, folder: Path) -> Path:

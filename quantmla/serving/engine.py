@@ -23,6 +23,8 @@ from quantmla.serving.settings import (
 # vLLM's CPU rotary custom op is wrong for 3-D multi-head queries in eager mode (NOTES.md):
 # use its PyTorch-native rotary instead.
 EAGER_COMPILATION = {"custom_ops": ["-rotary_embedding"]}
+# On a CPU vLLM needs an explicit KV budget (kv_cache_memory_bytes or VLLM_CPU_KVCACHE_SPACE).
+CPU_KV_BYTES = 2 << 30
 
 
 def model_geometry(model_dir: str | Path) -> dict:
@@ -79,6 +81,8 @@ def engine_args(
 ) -> dict:
     """Keyword arguments of `vllm.LLM` / `AsyncEngineArgs` for this export and cache."""
     config = quantmla_config(precision, **(quantmla or {}))
+    if kv_cache_memory_bytes is None and _cpu():
+        kv_cache_memory_bytes = CPU_KV_BYTES
     check(model_dir, config, kv_cache_memory_bytes, max_num_seqs, block_size)
     args = dict(
         model=str(model_dir),

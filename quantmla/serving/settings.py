@@ -159,3 +159,16 @@ def predicted_capacity(
     pages = kv_bytes - protection_budget(settings, d_c, d_r, layers, max_num_seqs, kv_bytes)
     block = settings.token_bytes(d_c, d_r) * block_size * layers
     return math.floor(pages / block) * block_size
+
+
+def check_servable(serve_python, model_config, policy, field: str) -> None:
+    """A job that serves its model through vLLM, before anything loads: the serving venv exists,
+    vLLM's MLA serves the latent width, the writer packs the precision (one line each)."""
+    if serve_python is None or not Path(serve_python).is_file():
+        raise QuantMLAError(
+            f"{field}: paths.serve_python={serve_python} does not exist; run `make serve-setup` "
+            "(vLLM in .venv-serve) or point paths.serve_python at a python with vLLM and quantmla"
+        )
+    if model_config is not None:
+        check_geometry(model_config.kv_lora_rank, model_config.qk_rope_head_dim)
+    ServeSettings(policy.precision, policy.group_size, sink=policy.sink, recent=policy.recent)

@@ -2,7 +2,10 @@
 
 `lm_eval.simple_evaluate` runs lm-eval's tasks (or the project's local-document variants of them)
 on `HFLM` wrapping the already prepared model: patched cache, fused transforms, checked
-equivalence. Nothing here scores anything itself."""
+equivalence. With `eval.engine=vllm` the prepared model is exported instead and lm-eval's own
+`vllm` model type runs it with the QuantMLA backend in the serving venv
+(`vllm_worker`), the way evaluations run at scale. Nothing here scores
+anything itself."""
 
 from __future__ import annotations
 
@@ -32,8 +35,57 @@ def wrap_model(cfg, prepared, max_length: int | None = None):
     )
 
 
+ENGINES = ("hf", "vllm")
+
+
+def run_on_vllm(cfg, prepared, specs, metadata, limit=None, max_length=None) -> dict:
+    """The same `simple_evaluate` call through lm-eval's `vllm` model on the job's export."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from quantmla.checkpoint import write_checkpoint
+    from quantmla.errors import QuantMLAError
+
+    ev, paths = cfg.eval, prepared.paths
+    paths.artifacts_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=paths.artifacts_dir, prefix="lm-eval-vllm-") as tmp:
+        folder = Path(tmp)
+        export = write_checkpoint(cfg, prepared, folder / "export")
+        request = {
+            "model": str(export),
+            "engine": {
+                "precision": None if prepared.policy.spec.quantized else "bf16",
+                "max_model_len": max_length,
+                "dtype": str(cfg.model.dtype),
+                "seed": cfg.seed,
+            },
+            "tasks": specs,
+            "limit": limit,
+            "include_path": str(TASKS_DIR),
+            "metadata": metadata,
+            "gen_kwargs": {"max_gen_toks": ev.max_gen_toks} if ev.max_gen_toks else None,
+            "apply_chat_template": ev.apply_chat_template,
+            "confirm_run_unsafe_code": any(TASKS[t].code for t in ev.tasks if t in TASKS),
+            "seed": cfg.seed,
+        }
+        (folder / "request.json").write_text(json.dumps(request))
+        command = [
+            str(paths.serve_python), "-m", "quantmla.evaluation.lm_eval.vllm_worker",
+            str(folder / "request.json"), str(folder / "results.json"),
+        ]  # fmt: skip
+        done = subprocess.run(command, cwd=paths.root, stdout=sys.stdout, stderr=sys.stderr)
+        if done.returncode:
+            raise QuantMLAError(f"lm-eval on vLLM failed (exit {done.returncode})")
+        return json.loads((folder / "results.json").read_text())
+
+
 def run_lm_eval(cfg, prepared, specs: list[str], metadata: dict, limit=None, max_length=None):
     """One `simple_evaluate` call; returns lm-eval's results dict."""
+    if cfg.eval.engine == "vllm":
+        return run_on_vllm(cfg, prepared, specs, metadata, limit, max_length)
     import datasets
     from lm_eval import simple_evaluate
 

@@ -190,6 +190,12 @@ def check(cfg, job) -> None:
 
     data_dir = resolve_data_dir(job.paths.data_dir)
     check_lm_eval(cfg.eval, getattr(job.model_config, "max_position_embeddings", None), data_dir)
+    if cfg.eval.engine not in ("hf", "vllm"):
+        raise ConfigError("eval.engine", cfg.eval.engine, ("hf", "vllm"))
+    if cfg.eval.engine == "vllm":
+        from quantmla.serving.settings import check_servable
+
+        check_servable(job.paths.serve_python, job.model_config, job.policy, "eval.engine=vllm")
     if job.policy.backend == "packed" and cfg.eval.batch_size > 1:
         raise ConfigError(
             "eval.batch_size",

