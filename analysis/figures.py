@@ -211,7 +211,9 @@ def fig5c(records: list[dict], out: Path, stem: str) -> list[Path]:
             means = [by_precision[p]["throughput/running_mean"] for p in order]
             ax.scatter(order, means, color="k", marker="_", s=400, zorder=3, label="mean")
             ax.legend(fontsize=7)
-        ax.bar_label(bars, fmt="%.4g", fontsize=7)
+        ax.bar_label(
+            bars, labels=[f"{v:,.0f}" if v >= 100 else f"{v:.3g}" for v in values], fontsize=7
+        )
         ax.set_title(title, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
     m = records[0]["metrics"]

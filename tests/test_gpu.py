@@ -83,3 +83,39 @@ def test_native_fp8_checkpoint_runs_and_matches_the_dequantized_one(tmp_path):
         (w_hat.double() - expected.double()).abs()
         <= e4m3_bound(expected, w.weight_scale_inv.data.cpu()) + 1e-6
     ).all()
+
+
+@pytest.mark.parametrize("precision", ["c4r4", "c2r4"])
+def test_the_serving_backends_cuda_path_equals_its_cpu_path(precision):
+    """quantmla.serving on vLLM-shaped tensors: Triton writer + decode on CUDA (bf16 dots) vs the
+    torch path on the CPU, V2-Lite geometry (512 + 64, 16 heads), 16-token blocks."""
+    from quantmla.serving.paged_attention import decode_latent, write_packed
+    from quantmla.serving.settings import ServeSettings
+
+    lay = ServeSettings(precision=precision).layout(512, 64, 16)
+    gen = torch.Generator().manual_seed(0)
+    lengths = [7, 300, 1500]
+    table = torch.randperm(200, generator=gen)[: 3 * 94].view(3, 94).to(torch.int32)
+    slots = torch.cat([table[b, torch.arange(n) // 16].long() * 16 + torch.arange(n) % 16
+                       for b, n in enumerate(lengths)])  # fmt: skip
+    c, k = (
+        torch.randn(slots.shape[0], 512, generator=gen),
+        torch.randn(slots.shape[0], 64, generator=gen),
+    )
+    q, qr = (
+        torch.randn(3, 16, 512, generator=gen) * 0.05,
+        torch.randn(3, 16, 64, generator=gen) * 0.05,
+    )
+    prot = torch.randn(3, 132, 576, generator=gen).to(torch.bfloat16)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    out = {}
+    for device, kernel in (("cpu", "torch"), ("cuda", "triton")):
+        storage = torch.zeros(200, lay.page_bytes(), dtype=torch.uint8, device=device)
+        write_packed(storage, lay, slots.to(device), c.to(device), k.to(device), kernel)
+        args = [t.to(device) for t in (q, qr)] + [0.1, table.to(device), lens.to(device), lay]
+        out[device] = decode_latent(*args, storage, prot.to(device), kernel).cpu()
+        if device == "cpu":
+            packed = storage
+        else:
+            assert torch.equal(storage.cpu(), packed)  # the writer is bit-identical
+    torch.testing.assert_close(out["cuda"], out["cpu"], rtol=2e-2, atol=2e-2)
