@@ -131,8 +131,14 @@ def main() -> None:
     )
     if latency.is_file():
         report["latency_quick"]["results"] = json.loads(latency.read_text())
+    serve = out.with_name("serve_decode.json")  # the vLLM backend's decode call (no vLLM needed)
+    report["serve_decode"] = _run(
+        [sys.executable, "benchmarks/serve_decode.py", "--rounds", "5", "--out", str(serve)], 180
+    )
+    if serve.is_file():
+        report["serve_decode"]["results"] = json.loads(serve.read_text())
     out.write_text(json.dumps(report, indent=1, default=str))
-    failed = [k for k in ("gpu_tests", "latency_quick") if report[k]["rc"] != 0]
+    failed = [k for k in ("gpu_tests", "latency_quick", "serve_decode") if report[k]["rc"] != 0]
     job = report["perplexity_job"]
     print(
         f"gpu-check on {report['device']}: gpu tests rc={report['gpu_tests']['rc']}; "

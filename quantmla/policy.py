@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from quantmla.errors import ConfigError
-from quantmla.spec import QuantizerSpec
+from quantmla.spec import SPEC_FIELDS, QuantizerSpec
 
 FORMS = ("auto", "expanded", "absorbed")
 BACKENDS = ("simulator", "packed")
@@ -55,10 +55,7 @@ class CachePolicy:
     def spec(self) -> QuantizerSpec:
         """Built once per policy (the patched forward reads it on every call)."""
         return QuantizerSpec.from_precision(
-            self.precision,
-            group_size=self.group_size,
-            content_meta_dtype=self.content_meta_dtype,
-            rope_meta_dtype=self.rope_meta_dtype,
+            self.precision, **{f: getattr(self, f) for f in SPEC_FIELDS}
         )
 
     def check_dims(self, d_c: int, d_r: int) -> None:

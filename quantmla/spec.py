@@ -16,6 +16,8 @@ UNQUANTIZED_BITS = 16  # a path at 16 bits is stored as BF16, not quantized
 META_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _META_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 _PRECISION_RE = re.compile(r"c(\d+)r(\d+)")
+# The fields besides the precision that fix a spec (a policy or serving config carries them too).
+SPEC_FIELDS = ("group_size", "content_meta_dtype", "rope_meta_dtype")
 PRECISION_ALLOWED = "'bf16' or 'c<x>r<y>' with x, y in 1..8 or 16 (e.g. c4r4, c2r4, c4r16)"
 
 

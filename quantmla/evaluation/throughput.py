@@ -17,14 +17,6 @@ from pathlib import Path
 
 from quantmla.errors import ConfigError, QuantMLAError
 
-FIELDS = (
-    "requests",
-    "input_tokens",
-    "output_tokens",
-    "kv_cache_memory_bytes",
-    "max_num_seqs",
-    "tensor_parallel",
-)
 SHOWN = (
     ("kv_capacity_tokens", "KV tokens", "{:>10,.0f}"),
     ("running_max", "max run", "{:>8.0f}"),

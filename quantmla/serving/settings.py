@@ -2,9 +2,9 @@
 the project's venv).
 
 The cache format comes from the export's `quantmla.json` (quantizer spec + protection window);
-`additional_config={"quantmla": {...}}` may override fields, and `{"precision": "bf16"}` selects
-the BF16 mode of the same backend (any checkpoint, no manifest needed) for like-for-like
-baselines. Every check answers in one line at start-up, before vLLM allocates anything.
+`additional_config={"quantmla": {...}}` may override fields; a stated `precision` needs no
+manifest (`{"precision": "bf16"}` is the BF16 mode of the same backend, the like-for-like
+baseline; `{"precision": "c4r4"}` on a plain checkpoint is RTN). Every check answers in one line at start-up, before vLLM allocates anything.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from quantmla.errors import ConfigError, QuantMLAError
 from quantmla.memory import CacheLayout
 from quantmla.quant import PACKABLE_BITS
-from quantmla.spec import META_DTYPE_BYTES, QuantizerSpec
+from quantmla.spec import META_DTYPE_BYTES, SPEC_FIELDS, QuantizerSpec
 
 # Latent + RoPE widths vLLM's MLA layer accepts (MLACommonBackend.get_supported_head_sizes).
 SERVABLE_WIDTHS = (320, 512, 576)
@@ -60,10 +60,7 @@ class ServeSettings:
     @property
     def spec(self) -> QuantizerSpec:
         return QuantizerSpec.from_precision(
-            self.precision,
-            group_size=self.group_size,
-            content_meta_dtype=self.content_meta_dtype,
-            rope_meta_dtype=self.rope_meta_dtype,
+            self.precision, **{f: getattr(self, f) for f in SPEC_FIELDS}
         )
 
     @property
@@ -99,7 +96,8 @@ def check_geometry(d_c: int, d_r: int) -> None:
 
 
 def resolve_settings(model_dir: str | Path, extra: dict | None) -> ServeSettings:
-    """The export's manifest, overridden by `additional_config["quantmla"]`; BF16 mode needs none."""
+    """The export's manifest, overridden by `additional_config["quantmla"]`; a stated `precision`
+    needs none (BF16 mode, or RTN on a plain checkpoint)."""
     from quantmla.checkpoint import load_manifest
 
     extra = dict(extra or {})
@@ -107,7 +105,7 @@ def resolve_settings(model_dir: str | Path, extra: dict | None) -> ServeSettings
     unknown = sorted(set(extra) - allowed)
     if unknown:
         raise ConfigError("additional_config.quantmla", unknown, sorted(allowed))
-    if extra.get("precision") == "bf16":
+    if "precision" in extra:  # a stated format (RTN on any checkpoint; bf16: the BF16 mode)
         return ServeSettings(**extra)
     manifest = load_manifest(model_dir)
     q = manifest["quantizer"]
