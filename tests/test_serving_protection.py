@@ -63,3 +63,26 @@ def test_settings_refuse_what_the_writer_cannot_pack():
         ServeSettings(precision="c4r16")  # a BF16 RoPE key is not a packed path here
     with pytest.raises(ConfigError, match="protection_dtype"):
         ServeSettings(precision="c4r4", protection_dtype="int8")
+
+
+def test_settings_come_from_the_manifest_and_stated_fields_override_it(tmp_path):
+    import json
+
+    from quantmla.errors import DataNotFoundError
+    from quantmla.serving.settings import resolve_settings
+
+    manifest = {
+        "format": "quantmla-export/1", "precision": "c2r4", "protection": {"sink": 8, "recent": 64},
+        "quantizer": {"group_size": 64, "content_meta_dtype": "bfloat16", "rope_meta_dtype": "float32"},
+    }  # fmt: skip
+    (tmp_path / "quantmla.json").write_text(json.dumps(manifest))
+    assert resolve_settings(tmp_path, None) == ServeSettings("c2r4", sink=8, recent=64)
+    stated = resolve_settings(tmp_path, {"precision": "bf16"})
+    assert stated.precision == "bf16" and stated.sink == 8  # the export's window kept
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with pytest.raises(DataNotFoundError, match="no quantmla.json"):
+        resolve_settings(plain, {"recent": 16})
+    assert resolve_settings(plain, {"precision": "c4r4"}) == ServeSettings("c4r4")
+    with pytest.raises(ConfigError, match="additional_config.quantmla.*recnet"):
+        resolve_settings(tmp_path, {"recnet": 1})

@@ -98,15 +98,15 @@ def check_geometry(d_c: int, d_r: int) -> None:
 def resolve_settings(model_dir: str | Path, extra: dict | None) -> ServeSettings:
     """The export's manifest, overridden by `additional_config["quantmla"]`; a stated `precision`
     needs none (BF16 mode, or RTN on a plain checkpoint)."""
-    from quantmla.checkpoint import load_manifest
+    from quantmla.checkpoint import MANIFEST, load_manifest
 
     extra = dict(extra or {})
     allowed = {f.name for f in fields(ServeSettings)}
     unknown = sorted(set(extra) - allowed)
     if unknown:
         raise ConfigError("additional_config.quantmla", unknown, sorted(allowed))
-    if "precision" in extra:  # a stated format (RTN on any checkpoint; bf16: the BF16 mode)
-        return ServeSettings(**extra)
+    if "precision" in extra and not (Path(model_dir) / MANIFEST).is_file():
+        return ServeSettings(**extra)  # a stated format: RTN on a plain checkpoint, or BF16 mode
     manifest = load_manifest(model_dir)
     q = manifest["quantizer"]
     base = {
