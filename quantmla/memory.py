@@ -47,16 +47,17 @@ class CacheLayout:
     def _codes(self, dim: int, bits: int) -> int:
         return dim * BF16_BYTES if bits >= UNQUANTIZED_BITS else dim * bits // 8
 
-    def _meta(self, dim: int, bits: int, meta_dtype: str) -> int:
+    def _meta(self, dim: int, bits: int, meta_dtype: str, fmt: str = "int") -> int:
+        """Per group: the scale, and a UINT8 zero point for integer codes (FP8 has none)."""
         if bits >= UNQUANTIZED_BITS:
             return 0
-        return (dim // self.spec.group_size) * (META_DTYPE_BYTES[meta_dtype] + ZERO_POINT_BYTES)
+        zero = ZERO_POINT_BYTES if fmt == "int" else 0
+        return (dim // self.spec.group_size) * (META_DTYPE_BYTES[meta_dtype] + zero)
 
     def metadata_bytes(self) -> int:
         s = self.spec
-        raw = self._meta(self.d_c, s.content_bits, s.content_meta_dtype) + self._meta(
-            self.d_r, s.rope_bits, s.rope_meta_dtype
-        )
+        raw = self._meta(self.d_c, s.content_bits, s.content_meta_dtype, s.content_format)
+        raw += self._meta(self.d_r, s.rope_bits, s.rope_meta_dtype, s.rope_format)
         return math.ceil(raw / 8) * 8
 
     def token_bytes(self) -> int:
@@ -79,14 +80,15 @@ class CacheLayout:
             ("content_codes", t * self._codes(self.d_c, s.content_bits)),
             ("rope_codes", t * self._codes(self.d_r, s.rope_bits)),
         ]
-        for path, dim, bits, meta in (
-            ("content", self.d_c, s.content_bits, s.content_meta_dtype),
-            ("rope", self.d_r, s.rope_bits, s.rope_meta_dtype),
+        for path, dim, bits, meta, fmt in (
+            ("content", self.d_c, s.content_bits, s.content_meta_dtype, s.content_format),
+            ("rope", self.d_r, s.rope_bits, s.rope_meta_dtype, s.rope_format),
         ):
             if bits < UNQUANTIZED_BITS:
                 groups = dim // s.group_size
                 arrays.append((f"{path}_scales", t * groups * META_DTYPE_BYTES[meta]))
-                arrays.append((f"{path}_zeros", t * groups * ZERO_POINT_BYTES))
+                if fmt == "int":
+                    arrays.append((f"{path}_zeros", t * groups * ZERO_POINT_BYTES))
         out, offset = {}, 0
         for name, size in arrays:
             out[name] = (offset, size)
@@ -113,6 +115,8 @@ def layout(precision: str, d_c: int = 512, d_r: int = 64, **fields) -> CacheLayo
 
 
 LAYOUTS = {name: layout(name) for name in ("bf16", "c4r4", "c2r4", "c4r16")}
+# vLLM's `fp8_ds_mla`: an E4M3 latent with an FP32 scale per 128 elements, a BF16 RoPE key (656 B).
+LAYOUTS["fp8_ds_mla"] = layout("ce4m3r16", group_size=128, content_meta_dtype="float32")
 
 
 def compression(precision: str, tokens: int) -> float:

@@ -25,11 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
-from quantmla.errors import ConfigError
-from quantmla.spec import UNQUANTIZED_BITS, QuantizerSpec, check_bits
+from quantmla.errors import ConfigError, NonFiniteCacheError
+from quantmla.spec import FP8_FORMATS, UNQUANTIZED_BITS, QuantizerSpec, check_bits
 
 SCALE_FLOOR = 1e-8
 PACKABLE_BITS = (2, 4, 8)
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}  # largest finite value of each format
 
 
 def _grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -124,17 +126,53 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return ((packed.unsqueeze(-1) >> shifts) & mask).flatten(-2)
 
 
+def fp8_round(v: torch.Tensor, fmt: str, ste: bool = False) -> torch.Tensor:
+    """v rounded to the nearest value of FP8 format `fmt` (ties to even, subnormals kept),
+    saturating at ±max; float32 out. NaN is refused (it has no code to stand for)."""
+    if fmt not in FP8_FORMATS:
+        raise ConfigError("fp8 format", fmt, tuple(FP8_FORMATS))
+    if bool(torch.isnan(v).any()):
+        raise NonFiniteCacheError(f"NaN reached the {fmt} quantizer; nothing was rounded")
+    top = FP8_MAX[fmt]
+    v = v.float().clamp(-top, top)
+    rounded = v.to(FP8_DTYPES[fmt]).float()
+    return v + (rounded - v).detach() if ste else rounded
+
+
+def fp8_quantize_dequantize(
+    x: torch.Tensor,
+    fmt: str,
+    group_size: int = 64,
+    meta_dtype: torch.dtype | None = None,
+    ste: bool = False,
+) -> torch.Tensor:
+    """FP8 fake-quant per token and group: s = max|x| / FP8_MAX (floored at SCALE_FLOOR, rounded
+    to `meta_dtype` as stored), x̂ = round_fmt(x / s) · s; no zero point. Returns x's dtype."""
+    xg = _grouped(x.to(torch.promote_types(x.dtype, torch.float32)), group_size)
+    scale = (xg.abs().amax(dim=-1, keepdim=True) / FP8_MAX[fmt]).clamp_min(SCALE_FLOOR)
+    if meta_dtype is not None:
+        scale = scale.to(meta_dtype).to(xg.dtype)
+    return (fp8_round(xg / scale, fmt, ste).to(xg.dtype) * scale).flatten(-2).to(x.dtype)
+
+
 def qdq_content(spec: QuantizerSpec, x: torch.Tensor, ste: bool = False) -> torch.Tensor:
     """Fake-quantize the content latent as the cache stores it (identity at 16 bits)."""
-    return _qdq_path(x, spec.content_bits, spec.group_size, spec.content_meta_dtype, ste)
+    return _qdq_path(
+        x, spec.content_bits, spec.content_format, spec.group_size, spec.content_meta_dtype, ste
+    )
 
 
 def qdq_rope(spec: QuantizerSpec, x: torch.Tensor, ste: bool = False) -> torch.Tensor:
     """Fake-quantize the RoPE key as the cache stores it (identity at 16 bits)."""
-    return _qdq_path(x, spec.rope_bits, spec.group_size, spec.rope_meta_dtype, ste)
+    return _qdq_path(
+        x, spec.rope_bits, spec.rope_format, spec.group_size, spec.rope_meta_dtype, ste
+    )
 
 
-def _qdq_path(x, bits: int, group_size: int, meta: str, ste: bool) -> torch.Tensor:
+def _qdq_path(x, bits: int, fmt: str, group_size: int, meta: str, ste: bool) -> torch.Tensor:
     if bits >= UNQUANTIZED_BITS:
         return x
-    return quantize_dequantize(x, bits, group_size, meta_dtype=getattr(torch, meta), ste=ste)
+    meta_dtype = getattr(torch, meta)
+    if fmt != "int":
+        return fp8_quantize_dequantize(x, fmt, group_size, meta_dtype, ste)
+    return quantize_dequantize(x, bits, group_size, meta_dtype=meta_dtype, ste=ste)

@@ -14,6 +14,8 @@ layer and token slots instead; the quantizer itself keeps NaN/Inf inside its own
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import types
 from dataclasses import dataclass, replace
 
@@ -120,26 +122,37 @@ def mla_forward(
 
 def patch_model(
     model: nn.Module,
-    precision: str = "c4r4",
+    precision: str | Sequence[str] = "c4r4",
     sink: int = 4,
     recent: int = 128,
     group_size: int = 64,
     **policy_fields,
 ) -> nn.Module:
-    """Patch every MLA attention module of `model` in place (idempotent: re-patching updates the policy)."""
-    policy = CachePolicy(
-        precision=precision, sink=sink, recent=recent, group_size=group_size, **policy_fields
-    )
+    """Patch every MLA attention module of `model` in place (idempotent: re-patching updates the
+    policy). `precision` is one precision for every layer, or one per MLA layer (a mixed
+    allocation: each layer's cache its own format; `quantmla.allocation`)."""
     adapter = get_adapter(model.config)
     modules = adapter.attention_modules(model)
     if not modules:
         raise ConfigError(
             "model", type(model).__name__, f"a model with {adapter.attention_class_name} modules"
         )
+    per_layer = [precision] * len(modules) if isinstance(precision, str) else list(precision)
+    if len(per_layer) != len(modules):
+        raise ConfigError(
+            "precision (per layer)", len(per_layer), f"{len(modules)}: one per MLA layer"
+        )
+    policies = {
+        p: CachePolicy(
+            precision=p, sink=sink, recent=recent, group_size=group_size, **policy_fields
+        )
+        for p in dict.fromkeys(per_layer)
+    }
     geometries = [adapter.geometry(m) for m in modules]
-    for g in geometries:
-        policy.check_dims(g.d_c, g.d_r)
-    for module, geometry in zip(modules, geometries):
+    for g, p in zip(geometries, per_layer):
+        policies[p].check_dims(g.d_c, g.d_r)
+    for module, geometry, p in zip(modules, geometries, per_layer):
+        policy = policies[p]
         existing = getattr(module, PATCH_ATTRIBUTE, None)
         if existing is not None:
             existing.policy, existing.geometry = policy, geometry

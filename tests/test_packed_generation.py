@@ -108,3 +108,35 @@ def test_generate_entry_point_prints_continuation_speed_and_bytes(capsys, monkey
     out = capsys.readouterr().out
     assert "3 tokens in" in out and "cache.backend=packed" in out
     assert "cache bytes held for" in out and "BF16 latent cache" in out
+
+
+@needs_tiny
+def test_a_mixed_allocation_generates_the_same_text_packed_and_simulated(tiny):
+    """One format per layer (integer widths and a BF16 layer): the packed cache holds each layer in
+    its own layout, the BF16 layer stays a plain cache layer, and greedy text equals the simulator's."""
+    model, ids = tiny
+    layers = model.config.num_hidden_layers
+    mixed = [("c2r4", "c4r4", "bf16", "c8r8")[i % 4] for i in range(layers)]
+    prompt, steps = ids[:, :150], 12
+    patch_model(model, mixed)
+    try:
+        simulated = greedy(model, prompt, steps).sequences
+        set_policy(model, backend="packed", kernel="torch")
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            packed = model.generate(prompt, max_new_tokens=steps, do_sample=False, cache=cache)
+    finally:
+        unpatch_model(model)
+    assert torch.equal(packed, simulated)
+    kinds = [isinstance(layer, PackedLatentLayer) for layer in cache.layers]
+    assert kinds == [p != "bf16" for p in mixed]
+    tokens = prompt.shape[1] + steps - 1
+    want = sum(
+        CacheLayout(QuantizerSpec.from_precision(p), 128, 64).persistent_bytes(tokens)
+        for p in mixed
+        if p != "bf16"
+    )
+    assert packed_bytes(cache) == want
+    with pytest.raises(ConfigError, match="one per MLA layer"):
+        patch_model(model, mixed[:-1])
+    unpatch_model(model)

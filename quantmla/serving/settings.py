@@ -39,6 +39,10 @@ class ServeSettings:
 
     def __post_init__(self):
         spec = self.spec  # validates precision, group size, metadata dtypes
+        if spec.fp8:
+            raise ConfigError(
+                "quantmla.precision", self.precision, "integer codes: FP8 paths are not packed yet"
+            )
         if spec.quantized:
             for name, bits in (("content", spec.content_bits), ("rope", spec.rope_bits)):
                 if bits not in PACKABLE_BITS:

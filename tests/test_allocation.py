@@ -1,0 +1,65 @@
+"""quantmla.allocation: the exact optimum on brute-forced instances, the budget, determinism,
+the bytes and cache NMSEs it is fed."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from quantmla.allocation import (
+    allocate,
+    format_bytes,
+    measure_format_nmse,
+    predicted_errors,
+)
+from quantmla.errors import ConfigError
+
+FORMATS = ["c2r4", "c4r4", "c4r8", "c8r8", "ce4m3r16", "bf16"]
+
+
+def brute_force(errors, sizes, budget):
+    layers, k = errors.shape
+    best = None
+    for picks in itertools.product(range(k), repeat=layers):
+        total = sum(sizes[j] for j in picks)
+        if total > budget * layers:
+            continue
+        value = sum(errors[i, j] for i, j in enumerate(picks))
+        if best is None or (value, total) < best[:2]:
+            best = (value, total, picks)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_optimum_equals_brute_force_and_respects_the_budget(seed):
+    rng = np.random.default_rng(seed)
+    sizes = format_bytes(FORMATS, 256, 64)
+    errors = rng.integers(0, 1000, size=(4, len(FORMATS))).astype(float)  # exact sums
+    errors[:, -1] = 0.0  # BF16 adds no error
+    for budget in (sizes.min(), 200, 300, sizes.max()):
+        got = allocate(errors, sizes, budget, FORMATS)
+        value, total, picks = brute_force(errors, sizes, budget)
+        assert got.predicted == value
+        assert got.bytes_per_token * 4 == total <= budget * 4  # ties: fewest bytes
+        assert got.precisions == tuple(FORMATS[j] for j in picks)
+        assert allocate(errors, sizes, budget, FORMATS) == got  # deterministic
+
+
+def test_bytes_errors_and_refusals():
+    sizes = format_bytes(FORMATS, 256, 64)
+    assert dict(zip(FORMATS, sizes.tolist()))["c4r4"] == 184 and sizes[-1] == 640
+    e = predicted_errors([1.0, 2.0], [0.5, 4.0], [[0.1, 0.2]] * 2, [[0.3, 0.0]] * 2)
+    np.testing.assert_allclose(e, [[0.25, 0.2], [1.4, 0.4]])
+    with pytest.raises(ConfigError, match="budget_bytes=100.*>= 120 B/token"):
+        allocate(np.zeros((3, len(FORMATS))), sizes, 100, FORMATS)
+
+
+def test_measured_cache_nmse_orders_the_formats():
+    gen = torch.Generator().manual_seed(0)
+    latents = [(torch.randn(64, 256, generator=gen), torch.randn(64, 64, generator=gen))]
+    content, rope = measure_format_nmse(latents, FORMATS)
+    c = dict(zip(FORMATS, content[0]))
+    r = dict(zip(FORMATS, rope[0]))
+    assert c["c2r4"] > c["c4r4"] > c["c8r8"] > 0 and c["bf16"] == 0
+    assert r["c4r4"] > r["c4r8"] > 0 and r["ce4m3r16"] == 0
