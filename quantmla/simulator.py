@@ -14,9 +14,8 @@ layer and token slots instead; the quantizer itself keeps NaN/Inf inside its own
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import types
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
