@@ -4,6 +4,7 @@ greedy text (C4R4 with protection), the memory model's capacity, and one-line re
 
 import gc
 import json
+import sys
 
 import pytest
 
@@ -137,3 +138,25 @@ def test_settings_follow_the_manifest(exports):
     s = resolve_settings(exports["v2_rtn_c4r4"], None)
     assert s == ServeSettings(precision="c4r4")
     assert s.token_bytes(256, 64) == 184 and s.protection_bytes(256, 64) == 132 * 320 * 2
+
+
+def test_lm_eval_on_vllm_scores_like_the_hf_engine(tmp_path):
+    """eval.engine=vllm (lm-eval's own vllm model on the job's export, this backend) against the
+    default hf engine (HFLM over the simulator), same job otherwise: ARC-E and PIQA, 20 docs each."""
+    scores = {}
+    for engine in ("hf", "vllm"):
+        project(
+            "-m", "quantmla.run", "model=tiny_mla_v2", "precision=c4r4", "method=rtn",
+            "eval=tiny_table1_mc", "eval.tasks=[arc_easy,piqa]", "eval.limit=20",
+            f"eval.engine={engine}", "logger=none", f"paths.results_dir={tmp_path}",
+            f"paths.serve_python={sys.executable}",
+        )  # fmt: skip
+        [record] = [
+            json.loads(p.read_text())
+            for p in tmp_path.glob("default/*/result.json")
+            if json.loads(p.read_text())["config"]["eval"]["engine"] == engine
+        ]
+        scores[engine] = {t: record["metrics"][f"acc/{t}"] for t in ("arc_easy", "piqa")}
+    print(f"hf {scores['hf']} vs vllm {scores['vllm']}")
+    for task in ("arc_easy", "piqa"):  # one document is 5 points: allow one near-tie flip
+        assert abs(scores["hf"][task] - scores["vllm"][task]) <= 5.0 + 1e-9
