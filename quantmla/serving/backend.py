@@ -14,6 +14,7 @@ their context paths read earlier tokens through vLLM's own gather of BF16 rows.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -66,14 +67,18 @@ class Served:
         return "triton" if self.device.type == "cuda" else "torch"
 
 
-_SERVED: dict[int, Served] = {}  # id(vllm_config) -> its settings (one engine per process here)
-_BUDGETED: set[int] = set()  # id(cache_config) whose explicit budget already lost the protection
+_SERVED = "_quantmla_served"  # attribute on a VllmConfig: its engine's Served
+_TAKEN = (
+    "_quantmla_protection_bytes"  # attribute on a CacheConfig: protection taken from its budget
+)
+_last_config = None  # weakref to the config whose model this process loaded last
 
 
 def start_up_checks(config) -> Served:
     """Every start-up refusal in one line, then the explicit KV budget minus the protection."""
-    if id(config) in _SERVED:
-        return _SERVED[id(config)]
+    global _last_config
+    if getattr(config, _SERVED, None) is not None:
+        return getattr(config, _SERVED)
     hf = config.model_config.hf_config
     d_c, d_r = hf.kv_lora_rank, hf.qk_rope_head_dim
     check_geometry(d_c, d_r)
@@ -97,13 +102,14 @@ def start_up_checks(config) -> Served:
         settings, d_c, d_r, layers, cache.block_size, sched.max_num_seqs,
         torch.device(config.device_config.device),
     )  # fmt: skip
-    if cache.kv_cache_memory_bytes is not None and id(cache) not in _BUDGETED:
+    if cache.kv_cache_memory_bytes is not None and getattr(cache, _TAKEN, None) is None:
         taken = protection_budget(
             settings, d_c, d_r, layers, sched.max_num_seqs, cache.kv_cache_memory_bytes
         )
         cache.kv_cache_memory_bytes -= taken
-        _BUDGETED.add(id(cache))
-    _SERVED[id(config)] = served
+        object.__setattr__(cache, _TAKEN, taken)
+    object.__setattr__(config, _SERVED, served)
+    _last_config = weakref.ref(config)
     return served
 
 
@@ -111,9 +117,9 @@ def _current() -> Served | None:
     """The engine whose KV spec vLLM is building: the current config's, else the one whose model
     this process loaded last (vLLM asks for the spec right after loading the model)."""
     config = get_current_vllm_config_or_none()
-    if config is not None and id(config) in _SERVED:
-        return _SERVED[id(config)]
-    return next(reversed(_SERVED.values()), None)
+    if config is None or getattr(config, _SERVED, None) is None:
+        config = _last_config() if _last_config is not None else None
+    return getattr(config, _SERVED, None) if config is not None else None
 
 
 class QuantMLABackend(CPUMLABackend):
