@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from quantmla.memory import CacheLayout
 from quantmla.quant import qdq_content, qdq_rope
+from quantmla.spec import QuantizerSpec
 from quantmla_kernels.paged_cache.cpu import decode_packed, decode_rows
 from quantmla_kernels.paged_cache.writer import write_slots
 
@@ -108,8 +109,9 @@ def decode_latent_rows(q_lat, q_rope, scaling, table, lens, kv_cache, d_c: int, 
     if kernel == "triton":
         from quantmla_kernels.paged_cache.baselines import decode_bf16_pages
 
+        # the kernel's row mode reads only the geometry; any packable spec resolves its constants
         layout = CacheLayout(
-            _bf16_geometry_spec(), d_c, kv_cache.shape[-1] - d_c, page_tokens=kv_cache.shape[1]
+            QuantizerSpec(4, 4), d_c, kv_cache.shape[-1] - d_c, page_tokens=kv_cache.shape[1]
         )
         return decode_bf16_pages(
             kv_cache, table.to(torch.int64), lens.to(torch.int32), layout, q_lat, q_rope, scaling
@@ -117,10 +119,3 @@ def decode_latent_rows(q_lat, q_rope, scaling, table, lens, kv_cache, d_c: int, 
     return decode_rows(
         q_lat=q_lat, q_rope=q_rope, scaling=scaling, table=table, lens=lens, pages=kv_cache, d_c=d_c
     )[0]
-
-
-def _bf16_geometry_spec():
-    """A packable spec only so the kernel's layout constants resolve; BF16 rows ignore it."""
-    from quantmla.spec import QuantizerSpec
-
-    return QuantizerSpec(4, 4)

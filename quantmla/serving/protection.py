@@ -36,11 +36,8 @@ class ProtectionTable:
     def n_slots(self) -> int:
         return self.buffer.shape[0]
 
-    def _slot_of(self, block: int) -> int | None:
-        return self.owner.get(block)
-
     def _take(self, block: int, batch_blocks: set[int]) -> int:
-        held = self._slot_of(block)
+        held = self.owner.get(block)
         if held is not None:  # its first block was freed and handed out again
             return held
         owned = dict((slot, b) for b, slot in self.owner.items())
@@ -72,7 +69,7 @@ class ProtectionTable:
                 slot = self._take(block, batch)
                 self.tokens[slot] = 0
             else:
-                slot = self._slot_of(block)
+                slot = self.owner.get(block)
                 if slot is None or self.tokens[slot] != before:
                     raise ProtectionLostError(
                         f"the request whose first block is {block} has {before} cached tokens, "
