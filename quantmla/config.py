@@ -34,12 +34,35 @@ class ModelConfig:
     )
 
 
+MIXED_FIELDS = ("budget_bytes", "candidates", "sensitivity_experiment", "allocation_windows")
+MIXED_CANDIDATES = (
+    "c2r2", "c2r4", "c3r4", "c4r2", "c4r4", "c4r8", "c8r4", "c8r8", "c2r16", "c4r16", "ce4m3r16", "bf16",
+)  # fmt: skip
+
+
 @dataclass
 class PrecisionConfig:
-    name: str = opt("c4r4", "'bf16' or 'c<x>r<y>': content/RoPE bits, x, y in 1..8 or 16")
+    name: str = opt(
+        "c4r4",
+        "'bf16', 'c<x>r<y>' (content/RoPE bits, x, y in 1..8 or 16, or e4m3/e5m2) or 'mixed'",
+    )
     sink: int = opt(4, "first tokens read unquantized (BF16 protection)")
     recent: int = opt(128, "most recent tokens read unquantized (BF16 protection)")
     group_size: int = opt(64, "quantization group along d_c and d_r")
+    # name=mixed only (in no other record's config): one format per layer under a bytes budget
+    budget_bytes: float | None = opt(
+        None, "mixed: mean packed bytes per token and layer (memory model, protection excluded)"
+    )
+    candidates: list[str] = opt(
+        help="mixed: the formats a layer may take",
+        factory=lambda: list(MIXED_CANDIDATES),
+    )
+    sensitivity_experiment: str = opt(
+        "fig2_sensitivity", "mixed: the experiment whose sensitivity records give R_C, R_P"
+    )
+    allocation_windows: int = opt(
+        8, "mixed: WikiText-2 valid windows (model.eval_seqlen) for each format's cache NMSE"
+    )
 
 
 @dataclass

@@ -51,6 +51,18 @@ def narrow_eval(config: dict) -> dict:
     return {**config, "eval": {k: block[k] for k in eval_fields(evaluator) if k in block}}
 
 
+def narrow_precision(config: dict) -> dict:
+    """A resolved config dict whose `precision` block keeps the mixed-only fields only when
+    precision.name=mixed (every single-format record keeps its hash)."""
+    from quantmla.config import MIXED_FIELDS
+    from quantmla.policy import MIXED
+
+    block = config["precision"]
+    if block.get("name") == MIXED:
+        return config
+    return {**config, "precision": {k: v for k, v in block.items() if k not in MIXED_FIELDS}}
+
+
 def check_writable(path: Path, field_name: str) -> None:
     """Create `path` if needed and prove a file can be written in it (before any heavy work)."""
     try:
@@ -105,6 +117,11 @@ def resolve(cfg) -> Job:
     partial = Job(narrowed, evaluator, paths, policy, model_config, None, {}, Path())
     if model_config is not None:
         policy.check_dims(model_config.kv_lora_rank, model_config.qk_rope_head_dim)
+    if policy.mixed and not evaluator.mixed:
+        raise ConfigError(
+            "precision", "mixed", f"an eval.kind that runs one format per layer: "
+            f"{', '.join(k for k, e in EVALUATORS.items() if e.mixed)} (not {evaluator.kind})",
+        )  # fmt: skip
     evaluator.run_checks(narrowed, partial)
     if model_config is None and not evaluator.needs_model:
         raise ConfigError(
@@ -122,12 +139,19 @@ def resolve(cfg) -> Job:
         check_checkpoint_reachable(cfg, paths)
         check_safetensors(paths.checkpoint(cfg.model.path))
         check_fp8_native(cfg, model_config)
-    config = narrow_eval(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+    config = narrow_precision(
+        narrow_eval(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+    )
     weights = weights_fingerprint(paths.checkpoint(cfg.model.path))
     # the weights are part of the job: a retrained checkpoint under the same path is a new record
     config["model"]["weights"] = weights
     path = record_path(paths.results_dir, cfg.experiment_name, config)
-    return replace(partial, weights=weights, config=config, record_path=path)
+    job = replace(partial, weights=weights, config=config, record_path=path)
+    if policy.mixed:  # the candidates, the budget, the sensitivity records: before the model loads
+        from quantmla.mixed import check
+
+        check(job)
+    return job
 
 
 def check_node(cfg, model_config) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -37,7 +37,7 @@ class Prepared:
         try:
             yield self
         finally:
-            set_policy(self.model, precision=self.policy.precision)
+            set_policy(self.model, precision=self.policy.precisions(len(self.modules)))
 
 
 def equivalence_sequences(cfg, paths, tokenizer, n: int = 2):
@@ -75,8 +75,19 @@ def prepare(job) -> Prepared:
     prepared = Prepared(model.config, policy, paths, model, tokenizer, adapter, modules)
     prepared.weights = job.weights
 
+    if policy.mixed:  # one format per layer, chosen before any method calibrates at it
+        from quantmla.mixed import allocate_for_job
+
+        allocation, report = allocate_for_job(job, model, adapter, modules, tokenizer)
+        policy = prepared.policy = replace(policy, layer_precisions=allocation.precisions)
+        prepared.metrics.update(
+            {f"allocation/{k}": v for k, v in {**allocation.to_dict(), **report}.items()}
+        )
+    prepared.metrics.update(cache_bytes(policy, adapter, modules, cfg.model.eval_seqlen))
+
     started = time.time()
-    result = prepare_method(cfg, paths, model, adapter, tokenizer, policy.spec, job.weights)
+    specs = policy.specs(len(modules))
+    result = prepare_method(cfg, paths, model, adapter, tokenizer, specs, job.weights)
     prepared.metrics["method/seconds"] = time.time() - started
     prepared.method_result = result
     if result is not None:
@@ -88,5 +99,29 @@ def prepare(job) -> Prepared:
         )
         if result.report:
             prepared.metrics["method/report"] = result.report
-    set_policy(model, precision=policy.precision, backend=policy.backend, kernel=policy.kernel)
+    set_policy(
+        model,
+        precision=policy.precisions(len(modules)),
+        backend=policy.backend,
+        kernel=policy.kernel,
+    )
     return prepared
+
+
+def cache_bytes(policy: CachePolicy, adapter, modules, length: int) -> dict[str, float]:
+    """Bytes per token and layer of the run's cache in the memory model (mean over layers): the
+    packed codes alone, and with the BF16 protection of one `length`-token request amortised."""
+    from quantmla.memory import CacheLayout
+
+    layouts = [
+        CacheLayout(spec, g.d_c, g.d_r, policy.sink, policy.recent)
+        for spec, g in zip(policy.specs(len(modules)), map(adapter.geometry, modules))
+    ]
+    return {
+        "cache/bytes_per_token": sum(x.token_bytes() for x in layouts) / len(layouts),
+        "cache/bytes_per_token_protected": sum(
+            x.token_bytes() + x.protection_bytes() / length for x in layouts
+        )
+        / len(layouts),
+        "cache/protected_at": length,
+    }

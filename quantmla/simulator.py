@@ -179,11 +179,22 @@ def layer_patch(module: nn.Module) -> LayerPatch:
     return patch
 
 
-def set_policy(model: nn.Module, **changes) -> None:
-    """Change fields of the policy of every patched module (e.g. precision='bf16')."""
-    for module in patched_modules(model):
+def set_policy(model: nn.Module, precision: str | Sequence[str] | None = None, **changes) -> None:
+    """Change fields of the policy of every patched module (e.g. precision='bf16'); `precision`
+    may also be one per patched layer, in layer order (a mixed allocation)."""
+    modules = patched_modules(model)
+    per_layer = (
+        [precision] * len(modules)
+        if precision is None or isinstance(precision, str)
+        else list(precision)
+    )
+    if len(per_layer) != len(modules):
+        raise ConfigError(
+            "precision (per layer)", len(per_layer), f"{len(modules)}: one per MLA layer"
+        )
+    for module, p in zip(modules, per_layer):
         patch = layer_patch(module)
-        policy = replace(patch.policy, **changes)
+        policy = replace(patch.policy, **changes, **({} if p is None else {"precision": p}))
         policy.check_dims(patch.geometry.d_c, patch.geometry.d_r)
         patch.policy = policy
 

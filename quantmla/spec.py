@@ -7,6 +7,7 @@ lives in `quantmla.quant`. Importing this module is instant, so config errors an
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from quantmla.errors import ConfigError
@@ -122,6 +123,11 @@ class QuantizerSpec:
                     self.group_size,
                     f"a divisor of {name}={dim} (and of the other path)",
                 )
+
+
+def layer_spec(specs: QuantizerSpec | Sequence[QuantizerSpec], layer: int) -> QuantizerSpec:
+    """Layer `layer`'s spec: one spec for every layer, or one per layer (a mixed allocation)."""
+    return specs if isinstance(specs, QuantizerSpec) else specs[layer]
 
 
 def check_bits(bits: int, field: str = "bits") -> int:

@@ -86,6 +86,26 @@ def test_quantmla_steps_lower_both_objectives(ctx):
         assert c1 < c0 and r1 < r0
 
 
+def test_each_layer_calibrates_at_its_own_spec(ctx):
+    """One spec per layer (a mixed allocation): every objective and the α search read that layer's
+    own spec — a BF16 layer's losses are exactly 0, an INT2 latent's content loss exceeds the INT4 one's."""
+    from quantmla.methods.smoothquant import alpha_search
+
+    c2r4, bf16 = QuantizerSpec.from_precision("c2r4"), QuantizerSpec.from_precision("bf16")
+    config = CalibrationConfig()
+    mixed = QuantMLACalibration(ctx, [LayerTransforms() for _ in ctx.modules], [bf16, c2r4], config)
+    uniform = QuantMLACalibration(ctx, [LayerTransforms() for _ in ctx.modules], C4R4, config)
+    batch = torch.arange(4)
+    assert [float(v) for v in mixed.losses(0, batch, ste=False)] == [0.0, 0.0]
+    (content_c2, rope_c2), (content_c4, rope_c4) = (
+        m.losses(1, batch, ste=False) for m in (mixed, uniform)
+    )
+    assert content_c2 > 2 * content_c4 > 0 and rope_c2 == rope_c4 > 0  # both RoPE keys at INT4
+    _, report = alpha_search(ctx, [bf16, c2r4], [0.0, 0.5])
+    assert report["heldout_nmse"][0] == {"content": 0.0, "rope": 0.0}
+    assert min(report["heldout_nmse"][1].values()) > 0
+
+
 def test_artifact_round_trip_and_mismatch(tmp_path):
     g = torch.Generator().manual_seed(0)
     layers = [

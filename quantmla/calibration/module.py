@@ -25,7 +25,7 @@ from quantmla.calibration.context import CalibrationContext
 from quantmla.calibration.objectives import content_qdq, layer_output, positional_qk_loss, rope_qdq
 from quantmla.config import CalibrationConfig
 from quantmla.metrics import nmse
-from quantmla.spec import QuantizerSpec
+from quantmla.spec import QuantizerSpec, layer_spec
 from quantmla.transforms import ContentTransform, LayerTransforms, RopeTransform, cayley
 
 LOG_SCALE_CLIP = 2.0
@@ -70,7 +70,7 @@ class QuantMLACalibration(L.LightningModule):
         self,
         ctx: CalibrationContext,
         init: list[LayerTransforms],
-        spec: QuantizerSpec,
+        spec: QuantizerSpec | list[QuantizerSpec],  # one per layer: each trained at its own bits
         calibration: CalibrationConfig,
     ):
         super().__init__()
@@ -102,7 +102,7 @@ class QuantMLACalibration(L.LightningModule):
             self.ctx.gamma(layer),
             rotation.to(proj.c),
             scale.to(proj.c),
-            self.spec,
+            layer_spec(self.spec, layer),
             ste=ste,
         )
         content = nmse(layer_output(module, self.ctx.adapter, proj, c=c_hat), y)
@@ -113,7 +113,7 @@ class QuantMLACalibration(L.LightningModule):
             proj.k_rot,
             rope.key_matrix(layout).to(proj.k_rot),
             rope.query_matrix(layout).to(proj.k_rot),
-            self.spec,
+            layer_spec(self.spec, layer),
             ste=ste,
         )
         return content, positional_qk_loss(q_hat, k_hat, proj.q_rot, proj.k_rot)

@@ -8,24 +8,28 @@ import math
 # torch is imported inside the functions: `check` runs during validation, before anything heavy
 
 
-def perplexity(model, windows, batch_size: int = 4, desc: str = "perplexity") -> float:
-    """exp(Σ NLL / #predicted tokens); each window of L tokens predicts its last L−1 tokens."""
+def window_nll(model, windows, batch_size: int = 4, desc: str = "perplexity"):
+    """Mean next-token NLL of each window (float64, (N,)): a window of L tokens predicts its last L−1."""
     import torch
     import torch.nn.functional as F
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
-    total, count = 0.0, 0
+    out = []
     with torch.no_grad():
         for batch in tqdm(windows.split(batch_size), desc=desc, leave=False):
             batch = batch.to(device)
             logits = model(batch).logits[:, :-1]
             nll = F.cross_entropy(
-                logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum"
-            )
-            total += float(nll)
-            count += batch[:, 1:].numel()
-    return math.exp(total / count)
+                logits.transpose(1, 2).float(), batch[:, 1:], reduction="none"
+            )  # (B, L−1)
+            out.append(nll.double().mean(dim=1).cpu())
+    return torch.cat(out)
+
+
+def perplexity(model, windows, batch_size: int = 4, desc: str = "perplexity") -> float:
+    """exp(mean NLL over every predicted token); the windows are equally long."""
+    return math.exp(float(window_nll(model, windows, batch_size, desc).mean()))
 
 
 def unigram_perplexity(windows) -> float:
@@ -70,7 +74,9 @@ def evaluate(cfg, prepared) -> dict:
 
     def measure(prefix: str, label: str) -> None:
         for name, w in windows.items():
-            metrics[f"{prefix}ppl/{name}"] = perplexity(model, w, ev.batch_size, f"{label} {name}")
+            nll = window_nll(model, w, ev.batch_size, f"{label} {name}")
+            metrics[f"{prefix}ppl/{name}"] = math.exp(float(nll.mean()))
+            metrics[f"{prefix}nll_windows/{name}"] = nll.tolist()  # paired spreads between records
 
     reference = None
     with prepared.unquantized():

@@ -49,6 +49,7 @@ class Evaluator:
     check: str | None = None  # "module:function(cfg, job)": this kind's own checks
     needs_model: bool = True  # False: analytic, the model's config is enough
     needs_data: bool = True
+    mixed: bool = False  # runs a mixed allocation (reads only each layer's own patch)
 
     @property
     def implemented(self) -> bool:
@@ -78,6 +79,7 @@ EVALUATORS: dict[str, Evaluator] = {
             "WikiText-2/C4 perplexity and per-layer attention-output NMSE",
             PERPLEXITY_FIELDS,
             "quantmla.evaluation.perplexity:check",
+            mixed=True,
         ),
         Evaluator(
             "memory",
@@ -93,6 +95,7 @@ EVALUATORS: dict[str, Evaluator] = {
             "lm-eval suites of Tables 1 and 2",
             LM_EVAL_FIELDS,
             "quantmla.evaluation.lm_eval.suites:check",
+            mixed=True,
         ),
         Evaluator(
             "ruler",
@@ -100,6 +103,7 @@ EVALUATORS: dict[str, Evaluator] = {
             "RULER S-NIAH (Fig. 4)",
             (*LM_EVAL_FIELDS, "context_lengths"),
             "quantmla.evaluation.lm_eval.suites:check",
+            mixed=True,
         ),
         Evaluator(
             "retrieval",
@@ -107,6 +111,7 @@ EVALUATORS: dict[str, Evaluator] = {
             "needle retrieval on held-out phrasings (the second testbed)",
             ("haystacks", "context_lengths", "limit", "max_gen_toks", "compare_bf16"),
             "quantmla.evaluation.retrieval:check",
+            mixed=True,
         ),
         Evaluator(
             "sensitivity",

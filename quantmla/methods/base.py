@@ -41,7 +41,7 @@ class MethodJob:
     methods their calibration settings and the captured BF16 teacher."""
 
     modules: list[nn.Module]
-    spec: QuantizerSpec
+    spec: QuantizerSpec | list[QuantizerSpec]  # one for every layer, or one per layer (mixed)
     calibration: CalibrationConfig | None = None
     context: CalibrationContext | None = None
     seed: int = 0

@@ -34,29 +34,38 @@ def calibration_sequences(cfg, paths, tokenizer) -> tuple[torch.Tensor, int]:
     return torch.cat([split.calibration, split.heldout]), split.calibration.shape[0]
 
 
-def artifact_metadata(cfg, model, spec: QuantizerSpec, data_hash: str, weights) -> dict[str, str]:
+def artifact_metadata(
+    cfg, model, specs: list[QuantizerSpec], data_hash: str, weights
+) -> dict[str, str]:
+    """What an artifact is valid for; a mixed allocation names every layer's spec."""
+    uniform = len(set(specs)) == 1
     return {
         "model": cfg.model.path,
         "model_config_hash": stable_hash(model.config.to_dict(), 16),
         "weights": str(weights),
-        "precision": spec.precision,
-        "quantizer": spec.key,
+        "precision": specs[0].precision
+        if uniform
+        else "mixed:" + ",".join(s.precision for s in specs),
+        "quantizer": specs[0].key if uniform else ",".join(s.key for s in specs),
         "method": cfg.method.name,
         "seed": str(cfg.seed),
         "calibration_data": data_hash,
     }
 
 
-def prepare_method(cfg, paths, model, adapter, tokenizer, spec: QuantizerSpec, weights: str | None):
+def prepare_method(
+    cfg, paths, model, adapter, tokenizer, specs: list[QuantizerSpec], weights: str | None
+):
     """The run's method result: None (RTN), fixed (QuaRot†) or loaded/calibrated (SmoothQuant†,
-    QuantMLA); `weights` is the job's weights fingerprint (artifacts never outlive retraining)."""
+    QuantMLA), each layer at its own spec (`specs`, one per MLA layer); `weights` is the job's
+    weights fingerprint (artifacts never outlive retraining)."""
     method = METHODS[cfg.method.name]
     modules = adapter.attention_modules(model)
     if not method.calibrated:
-        return method.build(MethodJob(modules, spec, seed=cfg.seed))
+        return method.build(MethodJob(modules, specs, seed=cfg.seed))
     cal = cfg.method.calibration
     sequences, n_calibration = calibration_sequences(cfg, paths, tokenizer)
-    expected = artifact_metadata(cfg, model, spec, _tensor_sha(sequences), weights)
+    expected = artifact_metadata(cfg, model, specs, _tensor_sha(sequences), weights)
     if cfg.method.artifact:  # given by the user: always loaded, never overwritten
         path = paths.resolve(cfg.method.artifact)
         if not path.is_file():
@@ -76,7 +85,7 @@ def prepare_method(cfg, paths, model, adapter, tokenizer, spec: QuantizerSpec, w
         torch.arange(n_calibration),
         torch.arange(n_calibration, sequences.shape[0]),
     )
-    job = MethodJob(modules, spec, cal, ctx, cfg.seed, log_dir=path.parent / "logs" / path.stem)
+    job = MethodJob(modules, specs, cal, ctx, cfg.seed, log_dir=path.parent / "logs" / path.stem)
     result = method.build(job)
     result.metadata = expected
     save_artifact(result, path)

@@ -14,7 +14,7 @@ from quantmla.calibration.context import CalibrationContext
 from quantmla.calibration.objectives import content_qdq, layer_output, rope_qdq
 from quantmla.methods.base import MethodJob, MethodResult
 from quantmla.metrics import RunningNMSE
-from quantmla.spec import QuantizerSpec
+from quantmla.spec import QuantizerSpec, layer_spec
 from quantmla.transforms import ContentTransform, LayerTransforms, RopeTransform
 
 
@@ -53,11 +53,12 @@ def heldout_output_nmse(
 
 
 def alpha_search(
-    ctx: CalibrationContext, spec: QuantizerSpec, alphas, batch_size: int = 4
+    ctx: CalibrationContext, spec: QuantizerSpec | list[QuantizerSpec], alphas, batch_size: int = 4
 ) -> tuple[list[LayerTransforms], dict]:
-    """Per layer and path, the α whose scales give the lowest held-out output NMSE (ties → smaller α)."""
+    """Per layer (at its own spec, when `spec` is one per layer) and path, the α whose scales give the lowest held-out output NMSE (ties → smaller α)."""
     layers, report = [], {"alpha": [], "heldout_nmse": []}
     for layer, module in enumerate(ctx.modules):
+        own = layer_spec(spec, layer)
         stat_c, stat_p = ctx.channel_statistics(layer)
         best = {}
         for path, stat in (("content", stat_c), ("rope", stat_p)):
@@ -67,10 +68,10 @@ def alpha_search(
                     t = ContentTransform(
                         torch.eye(module.kv_lora_rank, dtype=torch.float64), scales
                     )
-                    loss = heldout_output_nmse(ctx, layer, spec, content=t, batch_size=batch_size)
+                    loss = heldout_output_nmse(ctx, layer, own, content=t, batch_size=batch_size)
                 else:
                     t = RopeTransform(torch.zeros_like(scales), scales)
-                    loss = heldout_output_nmse(ctx, layer, spec, rope=t, batch_size=batch_size)
+                    loss = heldout_output_nmse(ctx, layer, own, rope=t, batch_size=batch_size)
                 if path not in best or loss < best[path][0]:
                     best[path] = (loss, alpha, t)
         layers.append(LayerTransforms(best["content"][2], best["rope"][2]))
