@@ -1,6 +1,6 @@
 """Regenerate a figure (PNG and PDF) from the results store only.
 
-    python -m analysis.figures {fig2,fig4,fig5a,fig5b,fig5c,fig6,fig7} [--experiment NAME] [--results results] [--out docs]
+    python -m analysis.figures {fig2,fig4,fig5a,fig5b,fig5c,fig6,fig7,frontier} [--experiment NAME] [--results results] [--out docs]
 
 `fig4`: RULER S-NIAH accuracy vs context length (`experiment=fig4_ruler`).
 `fig5b`: decode latency relative to BF16 vs context (`experiment=fig5b_latency`, needs a GPU).
@@ -8,6 +8,7 @@
 
 `fig2`, `fig6`: the sensitivity study (`experiment=fig2_sensitivity`, analysis/sensitivity.py);
 `fig7`: the operator analysis (`experiment=table5_probes`, analysis/probes.py).
+`frontier`: bytes per token vs Δ perplexity and NMSE (`experiment=frontier`, analysis/frontier.py).
 
 `fig5a`: persistent KV-cache memory per layer and request, 1K–1M tokens, one curve per precision,
 from the records of `python -m quantmla.run experiment=fig5a_memory` (the model's own d_c, d_r),
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from analysis import probes, sensitivity
+from analysis import frontier, probes, sensitivity
 from analysis.common import default_results_dir, output_name, pyplot, save
 from quantmla.tracking.store import load_records
 
@@ -251,10 +252,11 @@ def _figures():
         "fig5c": (_named(fig5c, "fig5c_throughput"), "fig5c_throughput"),
         "fig6": (_named(sensitivity.fig6, "fig6_sensitivity_layers"), "fig2_sensitivity"),
         "fig7": (_named(probes.fig7, "fig7_operator"), "table5_probes"),
+        "frontier": (_named(frontier.frontier, "frontier"), "frontier"),
     }
 
 
-FIGURES = ("fig2", "fig4", "fig5a", "fig5b", "fig5c", "fig6", "fig7")
+FIGURES = ("fig2", "fig4", "fig5a", "fig5b", "fig5c", "fig6", "fig7", "frontier")
 
 
 def main() -> None:

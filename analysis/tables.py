@@ -7,6 +7,7 @@ bold), "—" for a missing cell (never zero), and the paper's own numbers beside
     python -m analysis.tables table1 --source wandb --project quantmla
     python -m analysis.tables table4 [--experiment tiny_fig2_sensitivity]   # sensitivity aggregates
     python -m analysis.tables table5 | table6 [--experiment tiny_table5_probes]   # operator analysis
+    python -m analysis.tables frontier | frontier_pairs [--experiment tiny_frontier]   # issue #23
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from analysis import probes, sensitivity
+from analysis import frontier, probes, sensitivity
 from analysis.common import default_results_dir, output_name
 from quantmla.methods.registry import METHODS
 from quantmla.tracking.store import load_records
@@ -213,10 +214,12 @@ def study_tables(paper: dict) -> dict:
             "table5_probes",
         ),
         "allocation": (probes.allocation_rows, "table5_probes"),
+        "frontier": (frontier.frontier_rows, "frontier"),
+        "frontier_pairs": (frontier.comparison_rows, "frontier"),
     }
 
 
-STUDY_TABLES = ("table4", "table5", "table6", "allocation")
+STUDY_TABLES = ("table4", "table5", "table6", "allocation", "frontier", "frontier_pairs")
 
 
 GENERATED = re.compile(r"(<!-- generated: (\S+) -->\n)(.*?)(\n<!-- end generated -->)", re.DOTALL)

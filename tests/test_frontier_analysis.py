@@ -1,0 +1,88 @@
+"""analysis/frontier.py on synthetic records: Δ perplexity, paired spreads, the predictor's sums and
+rank agreement, the pairs each mixed cache is compared with, and the figure."""
+
+import math
+
+import numpy as np
+import pytest
+
+from analysis import frontier
+
+CANDIDATES = ["c2r4", "c4r4", "bf16"]
+ERRORS = [[4.0, 1.0, 0.0], [2.0, 0.5, 0.0]]  # (2 layers, 3 candidates)
+BYTES = {"c2r4": 120, "c4r4": 184, "bf16": 640}
+
+
+def record(name, method="rtn", nll=(1.0, 1.2, 0.8), nmse=None, layers=None, budget=None):
+    layer_formats = layers or [name] * 2
+    packed = sum(BYTES[f] for f in layer_formats) / 2
+    metrics = {
+        "ppl/wikitext2": math.exp(np.mean(nll)),
+        "nll_windows/wikitext2": list(nll),
+        "cache/bytes_per_token": packed,
+        "cache/bytes_per_token_protected": packed + 10,
+        "cache/protected_at": 2048,
+    }
+    if nmse is not None:
+        metrics["nmse/attn_mean"] = nmse
+    precision = {"name": name, "sink": 4, "recent": 128, "group_size": 64}
+    if name == "mixed":
+        precision["budget_bytes"] = budget
+        metrics |= {
+            "allocation/precisions": layers,
+            "allocation/candidates": CANDIDATES,
+            "allocation/predicted_errors": ERRORS,
+        }
+    return {
+        "config": {
+            "eval": {"kind": "perplexity", "datasets": ["wikitext2"]},
+            "precision": precision,
+            "method": {"name": method},
+            "model": {"name": "tiny_mla_v2"},
+        },
+        "metrics": metrics,
+    }
+
+
+RECORDS = [
+    record("bf16", nll=(1.0, 1.2, 0.8)),
+    record("c2r4", nll=(1.1, 1.25, 0.9), nmse=3e-2),
+    record("c4r4", nll=(1.01, 1.21, 0.805), nmse=2e-3),
+    record("mixed", nll=(1.05, 1.22, 0.82), nmse=1e-2, layers=["c4r4", "c2r4"], budget=152),
+]
+
+
+def test_rows_deltas_and_predictions():
+    rows = frontier.frontier_rows(RECORDS)
+    by_cache = {r[1]: r for r in rows[1:]}
+    assert set(by_cache) == {"bf16", "c2r4", "c4r4", "mixed@152"}
+    assert by_cache["c2r4"][4].endswith(f"({100 * (math.exp((0.1 + 0.05 + 0.1) / 3) - 1):+.2f} %)")
+    # predicted Σ NMSE: uniform c2r4 4 + 2, mixed c4r4 then c2r4: 1 + 2
+    assert by_cache["c2r4"][6] == "6.00e+00" and by_cache["mixed@152"][6] == "3.00e+00"
+    assert by_cache["mixed@152"][2] == "152"
+
+
+def test_paired_spread_is_the_standard_error_of_window_differences():
+    pts = {p.cache: p for p in frontier.points(RECORDS)}
+    delta, se = frontier.paired(pts["mixed@152"], pts["c2r4"], "wikitext2")
+    d = np.array([1.05, 1.22, 0.82]) - np.array([1.1, 1.25, 0.9])
+    assert delta == pytest.approx(100 * d.mean())
+    assert se == pytest.approx(100 * d.std(ddof=1) / math.sqrt(3))
+
+
+def test_pairs_and_rank_agreement():
+    rows = frontier.comparison_rows(RECORDS)
+    pairs = [(r[1], r[2]) for r in rows[1:] if r[1].startswith("mixed")]
+    # the mixed cache at 152 B against the cheapest uniform format above its budget (no 152 B one)
+    assert pairs == [("mixed@152 (152 B)", "c4r4 (184 B)")]
+    assert rows[-1][2] == "Spearman 1.000" and rows[-1][3] == "3 caches"
+
+
+def test_a_frontier_needs_its_bf16_record():
+    with pytest.raises(SystemExit, match="BF16"):
+        frontier.frontier_rows(RECORDS[1:])
+
+
+def test_figure_is_drawn(tmp_path):
+    paths = frontier.frontier(RECORDS, tmp_path, "frontier")
+    assert {p.suffix for p in paths} == {".png", ".pdf"} and all(p.stat().st_size for p in paths)
