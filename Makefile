@@ -75,6 +75,6 @@ serve-setup:   # vLLM in its own venv (.venv-serve): its torch/transformers pins
 		$(SERVE_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; \
 	fi
 	$(SERVE_PY) -m pip install -q --no-deps -e .   # the project, without re-resolving vLLM's pins
-	$(SERVE_PY) -m pip install -q "pytest>=8" "lm-eval==0.4.13"   # serve-test; eval.engine=vllm
+	$(SERVE_PY) -m pip install -q "pytest>=8" "lm-eval[ruler]==0.4.13"   # serve-test; eval.engine=vllm (RULER included)
 	$(SERVE_PY) -c "import vllm, quantmla.export, quantmla_kernels.paged_cache.reference; print('vllm', vllm.__version__)"
 
