@@ -86,3 +86,39 @@ def test_settings_come_from_the_manifest_and_stated_fields_override_it(tmp_path)
     assert resolve_settings(plain, {"precision": "c4r4"}) == ServeSettings("c4r4")
     with pytest.raises(ConfigError, match="additional_config.quantmla.*recnet"):
         resolve_settings(tmp_path, {"recnet": 1})
+
+
+@pytest.mark.parametrize(
+    ("n", "sink", "recent"), [(700, 4, 128), (700, 0, 0), (600, 4, 700), (520, 3, 1)]
+)
+def test_prefill_equals_the_per_query_rule_in_float64(n, sink, recent):
+    """Chunked prefill (each chunk gathering only the keys it reads in each copy) against the rule
+    written out per query: j ≤ i read exact iff j < sink or i − j < recent, dequantized otherwise."""
+    from quantmla.quant import qdq_content, qdq_rope
+    from quantmla.serving.paged_attention import prefill_attention
+    from quantmla.spec import QuantizerSpec
+
+    g = torch.Generator().manual_seed(n + sink + recent)
+    heads, d_c, d_r, d_nope, d_v = 2, 64, 64, 16, 8
+    q = torch.randn(n, heads, d_nope + d_r, generator=g, dtype=torch.float64)
+    c = torch.randn(n, d_c, generator=g, dtype=torch.float64)
+    k_r = torch.randn(n, d_r, generator=g, dtype=torch.float64)
+    w = torch.randn(heads * (d_nope + d_v), d_c, generator=g, dtype=torch.float64) / 8
+    spec = QuantizerSpec.from_precision("c2r4")
+    out = prefill_attention(q, c, k_r, lambda x: x @ w.T, spec, sink, recent, d_nope, d_v, 0.1)
+
+    def kv(latent, rope):
+        k_nope, v = (latent @ w.T).view(n, heads, d_nope + d_v).split([d_nope, d_v], dim=-1)
+        return torch.cat([k_nope, rope[:, None].expand(n, heads, d_r)], dim=-1), v
+
+    (k, v), (k_hat, v_hat) = kv(c, k_r), kv(qdq_content(spec, c), qdq_rope(spec, k_r))
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    exact = ((j < sink) | (i - j < recent))[..., None, None]
+    keys, values = (
+        torch.where(exact, k[None], k_hat[None]),
+        torch.where(exact, v[None], v_hat[None]),
+    )
+    scores = torch.einsum("ihd,ijhd->ihj", q, keys) * 0.1
+    scores = scores.masked_fill((j > i)[:, None, :], float("-inf"))
+    expected = torch.einsum("ihj,ijhd->ihd", scores.softmax(-1), values).reshape(n, heads * d_v)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)

@@ -4,7 +4,8 @@ mapping, prefill with a quantized history, decode over block tables.
 Prefill attends as the simulator does (docs/simulator.md): query i reads token j unquantized iff
 j < sink or i − j < recent, the dequantized copy otherwise — the two copies expanded through
 `kv_b_proj` and one softmax over both with complementary masks, in chunks of queries so the
-score block stays small at long prompts. Decode reads packed pages and the request's protection
+score block stays small at long prompts; a chunk gathers only the keys one of its queries reads
+in each copy (about n + sink + recent + chunk instead of 2n). Decode reads packed pages and the request's protection
 rows with the Triton kernels on CUDA and the vectorized torch path elsewhere; both return the
 softmax-weighted latent, to which the engine applies W_UV itself.
 """
@@ -77,14 +78,20 @@ def prefill_attention(q, c, k_r, kv_b_proj, spec, sink, recent, d_nope, d_v, sca
     for a in range(0, n, PREFILL_CHUNK):
         b = min(n, a + PREFILL_CHUNK)
         i = j[a:b, None]
-        causal = j[None, :b] <= i
-        if spec.quantized:
-            protected = (j[None, :b] < sink) | (i - j[None, :b] < recent)
-            mask = torch.cat([causal & ~protected, causal & protected], dim=-1)
-            k = torch.cat([k_hat[:, :b], keys[:, :b]], dim=1)
-            v = torch.cat([v_hat[:, :b], values[:, :b]], dim=1)
+        if not spec.quantized:
+            k, v, mask = keys[:, :b], values[:, :b], j[None, :b] <= i
         else:
-            mask, k, v = causal, keys[:, :b], values[:, :b]
+            # only the keys some query of the chunk reads in that copy: the dequantized ones end
+            # `recent` before the chunk does, the exact ones are the sink and the recent window
+            quantized_end, sink_end = max(0, b - recent), min(sink, b)
+            window = max(sink_end, a - recent + 1)
+            picks = (slice(0, quantized_end), slice(0, sink_end), slice(window, b))
+            k = torch.cat([k_hat[:, picks[0]], keys[:, picks[1]], keys[:, picks[2]]], dim=1)
+            v = torch.cat([v_hat[:, picks[0]], values[:, picks[1]], values[:, picks[2]]], dim=1)
+            jj = torch.cat([j[picks[0]], j[picks[1]], j[picks[2]]])
+            exact = torch.arange(jj.shape[0], device=q.device) >= quantized_end
+            protected = (jj < sink) | (i - jj < recent)
+            mask = (jj <= i) & (protected == exact)
         out[:, a:b] = F.scaled_dot_product_attention(
             qh[:, a:b], k, v, attn_mask=mask, scale=scaling
         )
