@@ -173,6 +173,7 @@ TINY_OVERRIDES = {
         "method.calibration.batch_size=1",
     ],
     "tiny_fig5a_memory": [],
+    "tiny_frontier": ["eval.max_windows=1", "eval.datasets=[wikitext2]", "eval.nmse_windows=1"],
 }
 
 
