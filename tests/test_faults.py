@@ -160,12 +160,12 @@ def test_records_are_readable_by_the_group(tmp_path):
 
 
 def test_precision_without_a_preset_file_routes_to_its_name():
-    assert route_precision(["precision=c3r4", "method=rtn"]) == [
-        "precision.name=c3r4",
+    assert route_precision(["precision=c3r8", "method=rtn"]) == [
+        "precision.name=c3r8",
         "method=rtn",
     ]
     assert route_precision(["precision=c4r4,c2r4"]) == ["precision=c4r4,c2r4"]  # presets stay
-    assert route_precision(["precision=c4r4,c3r4"]) == ["precision.name=c4r4,c3r4"]
+    assert route_precision(["precision=c4r4,c3r8"]) == ["precision.name=c4r4,c3r8"]
     assert route_precision(["precision.sink=0"]) == ["precision.sink=0"]
 
 

@@ -47,8 +47,8 @@ def test_default_run_writes_a_record_and_resumes(tmp_path, capsys):
 def test_precision_without_preset_is_a_job(tmp_path):
     from quantmla.cli import route_precision
 
-    overrides = route_precision(tiny_job(tmp_path, "precision=c3r4"))
+    overrides = route_precision(tiny_job(tmp_path, "precision=c3r8"))
     record = run(run_config(*overrides))
     assert (
-        record["config"]["precision"]["name"] == "c3r4" and record["metrics"]["ppl/wikitext2"] > 1
+        record["config"]["precision"]["name"] == "c3r8" and record["metrics"]["ppl/wikitext2"] > 1
     )
