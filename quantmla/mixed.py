@@ -59,14 +59,14 @@ def check(job) -> None:
         )
     if "mixed" in p.candidates:
         raise ConfigError("precision.candidates", "mixed", "single formats")
+    config = job.model_config
     for name in p.candidates:
-        policy.layer(name)  # validates the format
+        layer = policy.layer(name)  # validates the format
+        if config is not None:
+            layer.check_dims(config.kv_lora_rank, config.qk_rope_head_dim)
     if p.allocation_windows < 1:
         raise ConfigError("precision.allocation_windows", p.allocation_windows, ">= 1")
-    config = job.model_config
     if config is not None:
-        for name in p.candidates:
-            policy.layer(name).check_dims(config.kv_lora_rank, config.qk_rope_head_dim)
         sizes = format_bytes(
             p.candidates, config.kv_lora_rank, config.qk_rope_head_dim, p.group_size
         )
