@@ -29,6 +29,7 @@ class Point:
     nll: dict  # dataset -> per-window mean NLL
     nmse: float | None
     record: dict
+    error_model: str = ""  # a mixed allocation's: "response" (R × cache NMSE) or "output"
 
     @property
     def mixed(self) -> bool:
@@ -45,10 +46,15 @@ def points(records: list[dict]) -> list[Point]:
         datasets = cfg["eval"]["datasets"]
         mixed = p["name"] == "mixed"
         layers = tuple(m["allocation/precisions"]) if mixed else ()
+        # the allocation's error model: R × cache NMSE (`response`) or measured output NMSE
+        model = p.get("allocation_error", "response")
+        label = mixed and f"mixed@{p['budget_bytes']:g}" + (
+            " (output)" if model == "output" else ""
+        )
         out.append(
             Point(
                 cfg["method"]["name"],
-                f"mixed@{p['budget_bytes']:g}" if mixed else p["name"],
+                label if mixed else p["name"],
                 layers,
                 m["cache/bytes_per_token"],
                 m["cache/bytes_per_token_protected"],
@@ -56,6 +62,7 @@ def points(records: list[dict]) -> list[Point]:
                 {d: m.get(f"nll_windows/{d}") for d in datasets},
                 m.get("nmse/attn_mean"),
                 r,
+                model if mixed else "",
             )
         )
     return sorted(out, key=lambda x: (x.method != "rtn", x.method, x.bytes, x.mixed))
@@ -80,10 +87,14 @@ def paired(a: Point, b: Point, dataset: str) -> tuple[float, float]:
     return 100.0 * float(d.mean()), 100.0 * float(d.std(ddof=1) / math.sqrt(len(d)))
 
 
-def predictor(pts: list[Point]) -> tuple[list[str], np.ndarray] | None:
-    """(candidates, (L, K) predicted output errors) of the experiment's first mixed RTN record."""
+ERROR_MODELS = {"response": "R × NMSE", "output": "output"}
+
+
+def predictor(pts: list[Point], method: str, model: str) -> tuple[list[str], np.ndarray] | None:
+    """(candidates, (L, K) predicted output errors) of the method's first mixed record with error
+    model `model`: its errors are measured after that method's transforms at each candidate."""
     for p in pts:
-        if p.mixed and p.method == "rtn":
+        if p.mixed and p.method == method and p.error_model == model:
             m = p.record["metrics"]
             return m["allocation/candidates"], np.asarray(m["allocation/predicted_errors"])
     return None
@@ -98,15 +109,15 @@ def predicted(p: Point, table) -> float | None:
     return float(sum(errors[i, candidates.index(f)] for i, f in enumerate(layers)))
 
 
-def rank_agreement(pts: list[Point]) -> tuple[float, int] | None:
-    """Spearman of predicted vs measured NMSE over the RTN caches the predictor covers (BF16 out)."""
-    table = predictor(pts)
+def rank_agreement(pts: list[Point], method: str, model: str) -> tuple[float, int] | None:
+    """Spearman of predicted vs measured NMSE over the method's caches its predictor covers."""
+    table = predictor(pts, method, model)
     if table is None:
         return None
     pairs = [
         (predicted(p, table), p.nmse)
         for p in pts
-        if p.method == "rtn" and p.cache != "bf16" and p.nmse is not None
+        if p.method == method and p.cache != "bf16" and p.nmse is not None
     ]
     pairs = [(a, b) for a, b in pairs if a is not None]
     return (spearman(*zip(*pairs)), len(pairs)) if len(pairs) >= 3 else None
@@ -120,7 +131,7 @@ def frontier_rows(records: list[dict]) -> list[list[str]]:
     pts = points(records)
     ref = reference(pts)
     datasets = list(ref.ppl)
-    table = predictor(pts)
+    tables = {(p.method, m): predictor(pts, p.method, m) for p in pts for m in ERROR_MODELS}
     length = ref.record["metrics"]["cache/protected_at"]
     rows = [
         [
@@ -130,12 +141,12 @@ def frontier_rows(records: list[dict]) -> list[list[str]]:
             f"B/token (+ protection at {length})",
             *[f"ppl {d} (Δ)" for d in datasets],
             "attn NMSE",
-            "predicted Σ NMSE",
+            *[f"predicted Σ NMSE ({label})" for label in ERROR_MODELS.values()],
             "layers",
         ]
     ]
     for p in pts:
-        pred = predicted(p, table) if table else None
+        preds = [tables[p.method, m] and predicted(p, tables[p.method, m]) for m in ERROR_MODELS]
         rows.append(
             [
                 "—" if p.cache == "bf16" else p.method,
@@ -144,7 +155,7 @@ def frontier_rows(records: list[dict]) -> list[list[str]]:
                 f"{p.bytes_protected:.1f}",
                 *[_fmt_delta(p, ref, d) for d in datasets],
                 "—" if p.nmse is None else f"{p.nmse:.2e}",
-                "—" if pred is None or p.cache == "bf16" else f"{pred:.2e}",
+                *["—" if x is None or p.cache == "bf16" else f"{x:.2e}" for x in preds],
                 " ".join(p.layers) if p.layers else "",
             ]
         )
@@ -174,17 +185,18 @@ def comparison_rows(records: list[dict]) -> list[list[str]]:
             rows.append(
                 [p.method, f"{p.cache} ({p.bytes:g} B)", f"{u.cache} ({u.bytes:g} B)", *cells]
             )
-    agreement = rank_agreement(pts)
-    if agreement:
-        rows.append(
-            [
-                "rtn",
-                "predicted vs measured NMSE",
-                f"Spearman {agreement[0]:.3f}",
-                f"{agreement[1]} caches",
-            ]
-            + [""] * (len(datasets) - 1)
-        )
+    for method, model in dict.fromkeys((p.method, p.error_model) for p in pts if p.mixed):
+        agreement = rank_agreement(pts, method, model)
+        if agreement:
+            rows.append(
+                [
+                    method,
+                    f"predicted ({ERROR_MODELS[model]}) vs measured NMSE",
+                    f"Spearman {agreement[0]:.3f}",
+                    f"{agreement[1]} caches",
+                ]
+                + [""] * (len(datasets) - 1)
+            )
     return rows
 
 

@@ -81,16 +81,3 @@ def allocate(errors, sizes, budget: float, precisions) -> Allocation:
         float(sizes[picks].mean()),
         float(budget),
     )
-
-
-def measure_format_nmse(latents, precisions, group_size: int = 64):
-    """Cache NMSE of each path in each format on captured latents [(c (N, d_c), k_R (N, d_r))] per
-    layer: ((L, K) content, (L, K) RoPE); 0 for a path a format keeps in BF16."""
-    from quantmla.metrics import nmse
-    from quantmla.quant import qdq_content, qdq_rope
-    from quantmla.spec import QuantizerSpec
-
-    specs = [QuantizerSpec.from_precision(p, group_size=group_size) for p in precisions]
-    content = [[float(nmse(qdq_content(s, c), c)) for s in specs] for c, _ in latents]
-    rope = [[float(nmse(qdq_rope(s, k), k)) for s in specs] for _, k in latents]
-    return np.array(content), np.array(rope)

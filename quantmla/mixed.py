@@ -1,25 +1,30 @@
 """A job's mixed allocation (`precision=mixed`, issue #23): each MLA layer's cache format, chosen
-by the exact allocator (`quantmla.allocation`) from the model's sensitivity records (R_C, R_P per
-layer, the mean over their cells) and every candidate format's cache NMSE on that layer's own
-latents (WikiText-2 valid windows through the BF16 model). Methods then calibrate each layer at
-its chosen format; the record carries the choice, its prediction and every input."""
+by the exact allocator (`quantmla.allocation`) from what every candidate format costs each layer
+*after the job's method*: its transforms at that format (calibrated once per candidate, artifacts
+kept) applied to the layer's own latents (WikiText-2 valid windows through the BF16 model). The
+cost is the sensitivity records' R_C, R_P times each path's cache NMSE (`allocation_error=response`)
+or the layer's measured output NMSE (`output`). Methods then calibrate each layer at its chosen
+format; the record carries the choice, its prediction and every input."""
 
 from __future__ import annotations
+
+import hashlib
 
 import numpy as np
 import torch
 
-from quantmla.allocation import (
-    Allocation,
-    allocate,
-    format_bytes,
-    measure_format_nmse,
-    predicted_errors,
-)
+from quantmla.allocation import Allocation, allocate, format_bytes, predicted_errors
+from quantmla.attention import attention_output, protected_mask
 from quantmla.calibration.context import CalibrationContext
+from quantmla.calibration.objectives import content_qdq, rope_qdq
+from quantmla.config import ALLOCATION_ERRORS
 from quantmla.errors import ConfigError, DataNotFoundError
+from quantmla.metrics import nmse
 from quantmla.models.capture import capture_inputs
+from quantmla.quant import qdq_content
+from quantmla.spec import UNQUANTIZED_BITS
 from quantmla.tracking.store import load_records
+from quantmla.transforms import RopeTransform, hadamard
 
 
 def sensitivity_responses(job) -> tuple[np.ndarray, np.ndarray, int]:
@@ -66,6 +71,13 @@ def check(job) -> None:
             layer.check_dims(config.kv_lora_rank, config.qk_rope_head_dim)
     if p.allocation_windows < 1:
         raise ConfigError("precision.allocation_windows", p.allocation_windows, ">= 1")
+    if p.allocation_error not in ALLOCATION_ERRORS:
+        raise ConfigError("precision.allocation_error", p.allocation_error, ALLOCATION_ERRORS)
+    if job.cfg.method.artifact:
+        raise ConfigError(
+            "method.artifact", job.cfg.method.artifact,
+            "unset with precision=mixed (it calibrates at every candidate; artifacts are found by metadata)",
+        )  # fmt: skip
     if config is not None:
         sizes = format_bytes(
             p.candidates, config.kv_lora_rank, config.qk_rope_head_dim, p.group_size
@@ -76,28 +88,133 @@ def check(job) -> None:
                 p.budget_bytes,
                 f">= {int(sizes.min())} (the smallest candidate, {p.candidates[int(sizes.argmin())]})",
             )
-    sensitivity_responses(job)
+    if p.allocation_error == "response":
+        sensitivity_responses(job)
+
+
+ERROR_KEYS = ("cache_content", "cache_rope", "output_content", "output_rope")
+
+
+def _path_qdq(ctx, layer: int, result, dtype: torch.dtype):
+    """One layer's two path QDQs under a method's result (None: RTN): c ↦ ĉ in native coordinates,
+    (q_R, k_R) ↦ (q̂_R, k̂_R) as scored, the key matrix M_K and its inverse (back to native)."""
+    g = ctx.adapter.geometry(ctx.modules[layer])
+    transforms = result.layers[layer] if result is not None else None
+    if transforms is not None and transforms.content is not None:
+        fused = transforms.content
+        gamma, rotation, scale = (
+            t.to(ctx.device, dtype) for t in (ctx.gamma(layer), fused.rotation, fused.scale)
+        )
+        content = lambda c, spec: content_qdq(c, gamma, rotation, scale, spec)  # noqa: E731
+    else:
+        content = lambda c, spec: qdq_content(spec, c)  # noqa: E731
+    rope = (transforms and transforms.rope) or RopeTransform.identity(g.d_r)
+    key, query = rope.key_matrix(g.cache_pairs), rope.query_matrix(g.cache_pairs)
+    if result is not None and result.rope_online == "hadamard":  # QuaRot†: H_P on query and key
+        h = hadamard(g.d_r)
+        key, query = key @ h, query @ h
+    key, query = key.to(ctx.device, dtype), query.to(ctx.device, dtype)
+    return content, lambda q, k, spec: rope_qdq(q, k, key, query, spec), key, torch.linalg.inv(key)
+
+
+def _protected_output(module, adapter, proj, q_rot, quantized, exact, sink: int, recent: int):
+    """Post-o_proj output with keys outside the BF16 protection (sink + recent) read from
+    `quantized` (c, k_R) and the protected ones from `exact`, both scored by `q_rot`."""
+    b, n = proj.c.shape[:2]
+    allowed = torch.ones(n, n, dtype=torch.bool, device=proj.c.device).tril()
+    protected = protected_mask(torch.arange(n, device=proj.c.device), n, sink, recent)
+    regions = [
+        (*quantized, (allowed & ~protected).expand(b, 1, n, n)),
+        (*exact, (allowed & protected).expand(b, 1, n, n)),
+    ]
+    return attention_output(module, adapter, proj.q_nope, q_rot, regions, form="expanded")
+
+
+def _digest(*tensors) -> str:
+    h = hashlib.sha1()
+    for t in tensors:
+        h.update(b"-" if t is None else t.detach().cpu().double().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _path_keys(spec, result, layer: int) -> tuple[tuple, tuple]:
+    """What a candidate's content and RoPE errors depend on (its path format and the method's
+    transform for that path), so candidates that share a path measure it once."""
+    t = result.layers[layer] if result is not None else None
+    content, rope = (t.content, t.rope) if t is not None else (None, None)
+    online = result.rope_online if result is not None else None
+    return (
+        (spec.content_bits, spec.content_format, spec.group_size, spec.content_meta_dtype,
+         _digest(*(content and (content.rotation, content.scale) or (None,)))),
+        (spec.rope_bits, spec.rope_format, spec.group_size, spec.rope_meta_dtype, online,
+         _digest(*(rope and (rope.angles, rope.scales) or (None,)))),
+    )  # fmt: skip
 
 
 @torch.no_grad()
-def latent_nmse(model, adapter, modules, sequences, candidates, group_size: int):
-    """Cache NMSE of every candidate on each layer's own c and k_R: ((L, K) content, (L, K) RoPE)."""
-    store = capture_inputs(model, modules, sequences)
-    ctx = CalibrationContext(
-        model, adapter, modules, store, torch.arange(sequences.shape[0]), torch.arange(0)
-    )
-    content, rope = [], []
-    for layer in range(len(modules)):
-        proj, _ = ctx.project(layer, ctx.calibration)
-        c, k = proj.c.flatten(0, 1).float().cpu(), proj.k_rot.flatten(0, 1).float().cpu()
-        nc, nr = measure_format_nmse([(c, k)], candidates, group_size)
-        content.append(nc[0])
-        rope.append(nr[0])
-    return np.array(content), np.array(rope)
+def format_errors(
+    ctx, results: dict, specs: dict, sink: int, recent: int, batch_size: int = 2
+) -> dict[str, np.ndarray]:
+    """Every candidate format on every layer, after the job's method at that format (`results`:
+    format → MethodResult or None), each layer fed the BF16 model's inputs: each path's cache NMSE
+    in native coordinates (`cache_content`, `cache_rope`), and the post-o_proj output NMSE with that
+    path alone quantized outside the BF16 protection (`output_content`, `output_rope`): (L, K)
+    each, 0 for a BF16 path."""
+    names, batches = list(specs), ctx.calibration.split(batch_size)
+    out = {key: np.zeros((len(ctx.modules), len(names))) for key in ERROR_KEYS}
+    for layer, module in enumerate(ctx.modules):
+        dt = module.o_proj.weight.dtype
+        work = torch.promote_types(dt, torch.float32)  # the QDQ in float32 at least
+        qdqs = [_path_qdq(ctx, layer, results[name], work) for name in names]
+        keys = [_path_keys(specs[name], results[name], layer) for name in names]
+        for index in batches:
+            proj, y = ctx.project(layer, index)
+            c, q, k = (t.to(work) for t in (proj.c, proj.q_rot, proj.k_rot))
+            measured = {}  # path key → (cache NMSE, output NMSE) on this batch
+            for j, name in enumerate(names):
+                spec, (content, rope, key, native) = specs[name], qdqs[j]
+                if spec.content_bits < UNQUANTIZED_BITS and keys[j][0] not in measured:
+                    c_hat = content(c, spec)
+                    o = _protected_output(
+                        module, ctx.adapter, proj, proj.q_rot,
+                        (c_hat.to(dt), proj.k_rot), (proj.c, proj.k_rot), sink, recent,
+                    )  # fmt: skip
+                    measured[keys[j][0]] = float(nmse(c_hat, c)), float(nmse(o, y))
+                if spec.rope_bits < UNQUANTIZED_BITS and keys[j][1] not in measured:
+                    q_hat, k_hat = rope(q, k, spec)
+                    o = _protected_output(
+                        module, ctx.adapter, proj, q_hat.to(dt),
+                        (proj.c, k_hat.to(dt)), (proj.c, (k @ key).to(dt)), sink, recent,
+                    )  # fmt: skip
+                    measured[keys[j][1]] = float(nmse(k_hat @ native, k)), float(nmse(o, y))
+                for path, key_j in zip(("content", "rope"), keys[j]):
+                    cache, output = measured.get(key_j, (0.0, 0.0))
+                    out[f"cache_{path}"][layer, j] += cache
+                    out[f"output_{path}"][layer, j] += output
+    return {key: v / len(batches) for key, v in out.items()}
+
+
+def candidate_results(job, model, adapter, modules, tokenizer, specs: dict) -> dict:
+    """The job's method at every candidate format, uniform over layers: None for RTN and BF16,
+    QuaRot†'s fixed rotation, or SmoothQuant†/QuantMLA artifacts (loaded, or calibrated once and
+    kept: uniform jobs at that format share them). Layers calibrate independently, so layer ℓ's
+    transforms at format f are the ones a mixed calibration gives it at f."""
+    from quantmla.methods.prepare import prepare_method
+
+    results = {}
+    for i, (name, spec) in enumerate(specs.items()):
+        if job.cfg.method.name == "rtn" or not spec.quantized:
+            results[name] = None
+            continue
+        print(f"[quantmla] mixed: {job.cfg.method.name} at candidate {name} ({i + 1}/{len(specs)})")
+        results[name] = prepare_method(
+            job.cfg, job.paths, model, adapter, tokenizer, [spec] * len(modules), job.weights
+        )
+    return results
 
 
 def allocate_for_job(job, model, adapter, modules, tokenizer) -> tuple[Allocation, dict]:
-    """The allocation of a `precision=mixed` job on its (BF16-patched) model, and what it used."""
+    """The allocation of a `precision=mixed` job on its (BF16-patched, unfused) model, and what it used."""
     from quantmla.data import load_text, perplexity_windows, tokenize
 
     cfg, p = job.cfg, job.cfg.precision
@@ -105,31 +222,37 @@ def allocate_for_job(job, model, adapter, modules, tokenizer) -> tuple[Allocatio
     if len(geometries) != 1:
         raise ConfigError("precision", "mixed", "a model whose MLA layers share d_c and d_r")
     (d_c, d_r), candidates = geometries.pop(), list(p.candidates)
-    rc, rp, cells = sensitivity_responses(job)
-    if len(rc) != len(modules):
-        raise ConfigError(
-            "precision.sensitivity_experiment", p.sensitivity_experiment,
-            f"records with {len(modules)} layers (they have {len(rc)})",
-        )  # fmt: skip
+    specs = {name: job.policy.layer(name).spec for name in candidates}
+    results = candidate_results(job, model, adapter, modules, tokenizer, specs)
     ids = tokenize(load_text("wikitext2", "valid", job.paths.data_dir), tokenizer)
     windows = perplexity_windows(ids, cfg.model.eval_seqlen, p.allocation_windows)
-    nc, nr = latent_nmse(model, adapter, modules, windows, candidates, p.group_size)
+    store = capture_inputs(model, modules, windows)
+    ctx = CalibrationContext(
+        model, adapter, modules, store, torch.arange(windows.shape[0]), torch.arange(0)
+    )
+    measured = format_errors(ctx, results, specs, job.policy.sink, job.policy.recent)
+    report = {"candidates": candidates, "error_model": p.allocation_error}
+    if p.allocation_error == "response":
+        rc, rp, cells = sensitivity_responses(job)
+        if len(rc) != len(modules):
+            raise ConfigError(
+                "precision.sensitivity_experiment", p.sensitivity_experiment,
+                f"records with {len(modules)} layers (they have {len(rc)})",
+            )  # fmt: skip
+        errors = predicted_errors(rc, rp, measured["cache_content"], measured["cache_rope"])
+        report.update(r_content=rc.tolist(), r_rope=rp.tolist(), sensitivity_cells=cells)
+    else:  # "output": each layer's measured output NMSE, the two paths' sum
+        errors = measured["output_content"] + measured["output_rope"]
     sizes = format_bytes(candidates, d_c, d_r, p.group_size)
-    errors = predicted_errors(rc, rp, nc, nr)
     allocation = allocate(errors, sizes, p.budget_bytes, candidates)
     print(
         f"[quantmla] mixed allocation at {p.budget_bytes:g} B/token: {', '.join(allocation.precisions)} "
         f"({allocation.bytes_per_token:g} B/token, predicted Σ output NMSE {allocation.predicted:.3e})"
     )
-    report = {
-        "candidates": candidates,
-        "candidate_bytes": sizes.tolist(),
-        "r_content": rc.tolist(),
-        "r_rope": rp.tolist(),
-        "sensitivity_cells": cells,
-        "cache_nmse_content": nc.tolist(),
-        "cache_nmse_rope": nr.tolist(),
-        "predicted_errors": errors.tolist(),
-        "nmse_windows": int(windows.shape[0]),
-    }
+    report.update(
+        candidate_bytes=sizes.tolist(),
+        predicted_errors=errors.tolist(),
+        nmse_windows=int(windows.shape[0]),
+        **{key: value.tolist() for key, value in measured.items()},
+    )
     return allocation, report

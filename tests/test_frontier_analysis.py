@@ -13,7 +13,16 @@ ERRORS = [[4.0, 1.0, 0.0], [2.0, 0.5, 0.0]]  # (2 layers, 3 candidates)
 BYTES = {"c2r4": 120, "c4r4": 184, "bf16": 640}
 
 
-def record(name, method="rtn", nll=(1.0, 1.2, 0.8), nmse=None, layers=None, budget=None):
+def record(
+    name,
+    method="rtn",
+    nll=(1.0, 1.2, 0.8),
+    nmse=None,
+    layers=None,
+    budget=None,
+    errors=ERRORS,
+    error_model=None,
+):
     layer_formats = layers or [name] * 2
     packed = sum(BYTES[f] for f in layer_formats) / 2
     metrics = {
@@ -28,10 +37,12 @@ def record(name, method="rtn", nll=(1.0, 1.2, 0.8), nmse=None, layers=None, budg
     precision = {"name": name, "sink": 4, "recent": 128, "group_size": 64}
     if name == "mixed":
         precision["budget_bytes"] = budget
+        if error_model:
+            precision["allocation_error"] = error_model
         metrics |= {
             "allocation/precisions": layers,
             "allocation/candidates": CANDIDATES,
-            "allocation/predicted_errors": ERRORS,
+            "allocation/predicted_errors": errors,
         }
     return {
         "config": {
@@ -53,8 +64,21 @@ RECORDS = [
 
 
 def test_rows_deltas_and_predictions():
-    rows = frontier.frontier_rows(RECORDS)
-    by_cache = {r[1]: r for r in rows[1:]}
+    q_errors = [[1.0, 0.5, 0.0], [3.0, 0.2, 0.0]]  # measured after QuantMLA's transforms
+    quantmla = [
+        record("c2r4", "quantmla", nmse=5e-3),
+        record(
+            "mixed", "quantmla", nmse=4e-3, layers=["c4r4", "c2r4"], budget=152,
+            errors=q_errors, error_model="output",
+        ),
+    ]  # fmt: skip
+    rows = frontier.frontier_rows(RECORDS + quantmla)
+    # each method's rows are predicted from its own mixed record's errors, per error model:
+    # QuantMLA's output model 1 + 3, then 0.5 + 3; it has no R × NMSE record
+    q_rows = [r for r in rows[1:] if r[0] == "quantmla"]
+    assert [r[1] for r in q_rows] == ["c2r4", "mixed@152 (output)"]
+    assert [r[7] for r in q_rows] == ["4.00e+00", "3.50e+00"] and {r[6] for r in q_rows} == {"—"}
+    by_cache = {r[1]: r for r in rows[1:] if r[0] != "quantmla"}
     assert set(by_cache) == {"bf16", "c2r4", "c4r4", "mixed@152"}
     assert by_cache["c2r4"][4].endswith(f"({100 * (math.exp((0.1 + 0.05 + 0.1) / 3) - 1):+.2f} %)")
     # predicted Σ NMSE: uniform c2r4 4 + 2, mixed c4r4 then c2r4: 1 + 2

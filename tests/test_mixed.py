@@ -1,7 +1,9 @@
 """`precision=mixed`: the allocation made in prepare from sensitivity records, each layer patched and
 calibrated at its own format, the record carrying the choice; refusals before anything loads."""
 
+import numpy as np
 import pytest
+import torch
 
 from quantmla.errors import ConfigError, DataNotFoundError
 from tests.conftest import needs_tiny, run_config, tiny_job
@@ -47,7 +49,8 @@ def test_mixed_job_allocates_patches_and_calibrates_each_layer(sensitivity_store
     from quantmla.prepare import prepare
     from quantmla.simulator import layer_patch
 
-    prepared = prepare(resolve(run_config(*tiny_job(sensitivity_store, *MIXED, *SMALL_QUANTMLA))))
+    job = resolve(run_config(*tiny_job(sensitivity_store, *MIXED, *SMALL_QUANTMLA)))
+    prepared = prepare(job)
     m = prepared.metrics
     chosen = m["allocation/precisions"]
     # every layer is better at INT4, so the optimum spends the whole budget: 3 layers of each
@@ -64,6 +67,18 @@ def test_mixed_job_allocates_patches_and_calibrates_each_layer(sensitivity_store
     assert {i for i, p in enumerate(chosen) if p == "c4r4"} == set(best)
     assert [layer_patch(mod).policy.precision for mod in prepared.modules] == chosen
     assert prepared.method_result.metadata["precision"] == "mixed:" + ",".join(chosen)
+    # layers calibrate independently: each layer's transforms are its candidate format's (whose
+    # artifacts the allocation calibrated and kept)
+    from quantmla.mixed import candidate_results
+
+    specs = {p: prepared.policy.layer(p).spec for p in ("c2r4", "c4r4")}
+    uniform = candidate_results(
+        job, prepared.model, prepared.adapter, prepared.modules, prepared.tokenizer, specs
+    )
+    for layer, p in enumerate(chosen):
+        got, want = prepared.method_result.layers[layer], uniform[p].layers[layer]
+        assert torch.equal(got.content.rotation, want.content.rotation)
+        assert torch.equal(got.rope.angles, want.rope.angles)
     with prepared.unquantized():
         assert {layer_patch(mod).policy.precision for mod in prepared.modules} == {"bf16"}
     assert [layer_patch(mod).policy.precision for mod in prepared.modules] == chosen
@@ -99,3 +114,69 @@ def test_mixed_refusals_name_the_field(sensitivity_store, overrides, error, name
 
     with pytest.raises(error, match=named):
         resolve(run_config(*tiny_job(sensitivity_store, *MIXED, *overrides)))
+
+
+@pytest.mark.parametrize("method", ["rtn", "random", "quarot"])
+def test_format_errors_equal_the_fused_patched_layers(method):
+    """Each path's output NMSE measured unfused equals that of the fused model's layer with only that
+    path quantized (simulator, protection sink 3 + recent 8), fed the same BF16 inputs: float64, V2
+    pair layout."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from quantmla.calibration.context import CalibrationContext
+    from quantmla.methods.base import MethodJob, MethodResult, apply_method
+    from quantmla.methods.quarot import quarot
+    from quantmla.mixed import format_errors
+    from quantmla.models.adapters import get_adapter
+    from quantmla.models.capture import OutputNMSE, capture_inputs
+    from quantmla.models.tiny import tiny_mla_v2_config
+    from quantmla.simulator import patch_model, set_policy
+    from quantmla.spec import QuantizerSpec
+    from quantmla.transforms import LayerTransforms
+    from tests.test_transforms import random_transforms
+
+    torch.manual_seed(0)
+    config = tiny_mla_v2_config(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2)
+    model = AutoModelForCausalLM.from_config(config).double().eval()
+    adapter = get_adapter(model.config)
+    modules = adapter.attention_modules(model)
+    fused = copy.deepcopy(
+        model
+    )  # before patching: a patched module's forward is bound to its patch
+    patch_model(fused, "bf16", sink=3, recent=8)
+    names = ["c2r16", "c16r2", "c3r4", "ce4m3r16", "c3r2"]  # c3r2 shares both paths
+    specs = {name: QuantizerSpec.from_precision(name) for name in names}
+    if method == "random":
+        result = MethodResult(
+            "random", [LayerTransforms(*random_transforms(256, 64, seed=i)) for i in range(2)]
+        )
+    else:
+        result = None if method == "rtn" else quarot(MethodJob(modules, specs["c3r4"]))
+    sequences = torch.randint(0, 64, (1, 48))
+    store = capture_inputs(model, modules, sequences)
+    ctx = CalibrationContext(model, adapter, modules, store, torch.arange(1), torch.arange(0))
+    got = format_errors(ctx, dict.fromkeys(names, result), specs, sink=3, recent=8)
+
+    reference = OutputNMSE.capture(model, modules, sequences)
+    if result is not None:
+        apply_method(fused, adapter, result)
+    fused_modules = adapter.attention_modules(fused)
+    for j, name in enumerate(names):
+        content_only = name.split("r")[0] + "r16" if specs[name].content_bits < 16 else None
+        rope_only = "c16r" + name.split("r")[1] if specs[name].rope_bits < 16 else None
+        for key, alone in (("output_content", content_only), ("output_rope", rope_only)):
+            if alone is None:
+                assert (got[key][:, j] == 0).all()
+                continue
+            set_policy(fused, precision=alone)
+            expected = reference.measure(fused_modules)
+            # float64 both ways; an FP8 code one rounding boundary apart moves a 1e-5 NMSE by ~1e-3
+            rtol = 2e-3 if specs[name].fp8 else 1e-4  # (RoPE tables are float32)
+            np.testing.assert_allclose(got[key][:, j], expected, rtol=rtol)
+    assert (got["cache_content"][:, names.index("c16r2")] == 0).all()
+    assert (got["cache_rope"][:, names.index("c2r16")] > 0).sum() == 0
+    assert (got["cache_content"] >= 0).all() and got["cache_content"][
+        0, names.index("c2r16")
+    ] > 1e-3
