@@ -17,6 +17,8 @@ import numpy as np
 from analysis.common import pyplot, save
 from analysis.probes import spearman
 
+ERROR_MODELS = {"response": "R × NMSE", "output": "output", "loss": "loss"}  # precision.allocation_error
+
 
 @dataclass(frozen=True)
 class Point:
@@ -48,9 +50,7 @@ def points(records: list[dict]) -> list[Point]:
         layers = tuple(m["allocation/precisions"]) if mixed else ()
         # the allocation's error model: R × cache NMSE (`response`) or measured output NMSE
         model = p.get("allocation_error", "response")
-        label = mixed and f"mixed@{p['budget_bytes']:g}" + (
-            " (output)" if model == "output" else ""
-        )
+        label = mixed and f"mixed@{p['budget_bytes']:g} ({ERROR_MODELS[model]})"
         out.append(
             Point(
                 cfg["method"]["name"],
@@ -85,9 +85,6 @@ def paired(a: Point, b: Point, dataset: str) -> tuple[float, float]:
     x, y = np.asarray(a.nll[dataset]), np.asarray(b.nll[dataset])
     d = x - y
     return 100.0 * float(d.mean()), 100.0 * float(d.std(ddof=1) / math.sqrt(len(d)))
-
-
-ERROR_MODELS = {"response": "R × NMSE", "output": "output"}
 
 
 def predictor(pts: list[Point], method: str, model: str) -> tuple[list[str], np.ndarray] | None:
@@ -183,7 +180,7 @@ def comparison_rows(records: list[dict]) -> list[list[str]]:
                 delta, se = paired(p, u, d)
                 cells.append(f"{delta:+.3f} ± {2 * se:.3f} %")
             rows.append(
-                [p.method, f"{p.cache} ({p.bytes:g} B)", f"{u.cache} ({u.bytes:g} B)", *cells]
+                [p.method, f"{p.cache}, {p.bytes:g} B", f"{u.cache}, {u.bytes:g} B", *cells]
             )
     for method, model in dict.fromkeys((p.method, p.error_model) for p in pts if p.mixed):
         agreement = rank_agreement(pts, method, model)

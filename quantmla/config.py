@@ -37,7 +37,7 @@ class ModelConfig:
 MIXED_FIELDS = (
     "budget_bytes", "candidates", "allocation_error", "sensitivity_experiment", "allocation_windows",
 )  # fmt: skip
-ALLOCATION_ERRORS = ("response", "output")
+ALLOCATION_ERRORS = ("response", "output", "loss")
 MIXED_CANDIDATES = (
     "c2r2", "c2r4", "c3r4", "c4r2", "c4r4", "c4r8", "c8r4", "c8r8", "c2r16", "c4r16", "ce4m3r16", "bf16",
 )  # fmt: skip
@@ -64,7 +64,8 @@ class PrecisionConfig:
         "response",
         "mixed: what a layer's format is predicted to cost: response (R_C, R_P from the sensitivity "
         "records × the format's cache NMSE after the method's transforms) | output (the layer's "
-        "measured output NMSE at the format, after the method's transforms)",
+        "measured output NMSE at the format, after the method's transforms) | loss (that output "
+        "NMSE × the layer's measured next-token KL per unit output NMSE)",
     )
     sensitivity_experiment: str = opt(
         "fig2_sensitivity", "mixed: the experiment whose sensitivity records give R_C, R_P"

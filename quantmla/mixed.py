@@ -194,6 +194,49 @@ def format_errors(
     return {key: v / len(batches) for key, v in out.items()}
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+# the format each layer is perturbed at to measure how its output error propagates
+LOSS_PROBE = "c2r4"
+
+
+@torch.no_grad()
+def loss_weights(model, modules, windows, probe: str = LOSS_PROBE, batch_size: int = 2):
+    """Per layer ℓ, with ℓ alone cached at `probe` (RTN, protection as patched) and every other
+    layer BF16: the next-token KL(BF16 ‖ perturbed) per token, layer ℓ's own post-o_proj output
+    NMSE in the same run, and their ratio w_ℓ (nats per unit output NMSE): (3, L)."""
+    import torch.nn.functional as F
+
+    from quantmla.simulator import set_policy
+
+    n, device = len(modules), next(model.parameters()).device
+    kl, out_nmse, batches = np.zeros(n), np.zeros(n), windows.split(batch_size)
+    captured = {}
+    hooks = [
+        m.register_forward_hook(lambda mod, args, out, i=i: captured.__setitem__(i, _wide(out[0])))
+        for i, m in enumerate(modules)
+    ]
+    try:
+        for batch in batches:
+            batch = batch.to(device)
+            set_policy(model, precision="bf16")
+            reference = F.log_softmax(_wide(model(batch).logits), dim=-1)
+            teacher = dict(captured)
+            for layer in range(n):
+                set_policy(model, precision=["bf16"] * layer + [probe] + ["bf16"] * (n - layer - 1))
+                logp = F.log_softmax(_wide(model(batch).logits), dim=-1)
+                kl[layer] += float((reference.exp() * (reference - logp)).sum(-1).mean())
+                out_nmse[layer] += float(nmse(captured[layer], teacher[layer]))
+    finally:
+        for h in hooks:
+            h.remove()
+        set_policy(model, precision="bf16")
+    kl, out_nmse = kl / len(batches), out_nmse / len(batches)
+    return kl, out_nmse, kl / np.maximum(out_nmse, 1e-30)
+
+
 def candidate_results(job, model, adapter, modules, tokenizer, specs: dict) -> dict:
     """The job's method at every candidate format, uniform over layers: None for RTN and BF16,
     QuaRot†'s fixed rotation, or SmoothQuant†/QuantMLA artifacts (loaded, or calibrated once and
@@ -241,13 +284,20 @@ def allocate_for_job(job, model, adapter, modules, tokenizer) -> tuple[Allocatio
             )  # fmt: skip
         errors = predicted_errors(rc, rp, measured["cache_content"], measured["cache_rope"])
         report.update(r_content=rc.tolist(), r_rope=rp.tolist(), sensitivity_cells=cells)
-    else:  # "output": each layer's measured output NMSE, the two paths' sum
+    elif p.allocation_error == "output":  # each layer's measured output NMSE, the two paths' sum
         errors = measured["output_content"] + measured["output_rope"]
+    else:  # "loss": the output NMSE in nats of next-token KL, each layer's own propagation
+        kl, probe_nmse, weights = loss_weights(model, modules, windows)
+        errors = weights[:, None] * (measured["output_content"] + measured["output_rope"])
+        report.update(
+            loss_probe=LOSS_PROBE, probe_kl=kl.tolist(), probe_output_nmse=probe_nmse.tolist(),
+            loss_weights=weights.tolist(),
+        )  # fmt: skip
     sizes = format_bytes(candidates, d_c, d_r, p.group_size)
     allocation = allocate(errors, sizes, p.budget_bytes, candidates)
     print(
         f"[quantmla] mixed allocation at {p.budget_bytes:g} B/token: {', '.join(allocation.precisions)} "
-        f"({allocation.bytes_per_token:g} B/token, predicted Σ output NMSE {allocation.predicted:.3e})"
+        f"({allocation.bytes_per_token:g} B/token, predicted Σ error ({p.allocation_error}) {allocation.predicted:.3e})"
     )
     report.update(
         candidate_bytes=sizes.tolist(),

@@ -79,16 +79,16 @@ def test_rows_deltas_and_predictions():
     assert [r[1] for r in q_rows] == ["c2r4", "mixed@152 (output)"]
     assert [r[7] for r in q_rows] == ["4.00e+00", "3.50e+00"] and {r[6] for r in q_rows} == {"—"}
     by_cache = {r[1]: r for r in rows[1:] if r[0] != "quantmla"}
-    assert set(by_cache) == {"bf16", "c2r4", "c4r4", "mixed@152"}
+    assert set(by_cache) == {"bf16", "c2r4", "c4r4", "mixed@152 (R × NMSE)"}
     assert by_cache["c2r4"][4].endswith(f"({100 * (math.exp((0.1 + 0.05 + 0.1) / 3) - 1):+.2f} %)")
     # predicted Σ NMSE: uniform c2r4 4 + 2, mixed c4r4 then c2r4: 1 + 2
-    assert by_cache["c2r4"][6] == "6.00e+00" and by_cache["mixed@152"][6] == "3.00e+00"
-    assert by_cache["mixed@152"][2] == "152"
+    assert by_cache["c2r4"][6] == "6.00e+00" and by_cache["mixed@152 (R × NMSE)"][6] == "3.00e+00"
+    assert by_cache["mixed@152 (R × NMSE)"][2] == "152"
 
 
 def test_paired_spread_is_the_standard_error_of_window_differences():
     pts = {p.cache: p for p in frontier.points(RECORDS)}
-    delta, se = frontier.paired(pts["mixed@152"], pts["c2r4"], "wikitext2")
+    delta, se = frontier.paired(pts["mixed@152 (R × NMSE)"], pts["c2r4"], "wikitext2")
     d = np.array([1.05, 1.22, 0.82]) - np.array([1.1, 1.25, 0.9])
     assert delta == pytest.approx(100 * d.mean())
     assert se == pytest.approx(100 * d.std(ddof=1) / math.sqrt(3))
@@ -98,7 +98,7 @@ def test_pairs_and_rank_agreement():
     rows = frontier.comparison_rows(RECORDS)
     pairs = [(r[1], r[2]) for r in rows[1:] if r[1].startswith("mixed")]
     # the mixed cache at 152 B against the cheapest uniform format above its budget (no 152 B one)
-    assert pairs == [("mixed@152 (152 B)", "c4r4 (184 B)")]
+    assert pairs == [("mixed@152 (R × NMSE), 152 B", "c4r4, 184 B")]
     assert rows[-1][2] == "Spearman 1.000" and rows[-1][3] == "3 caches"
 
 

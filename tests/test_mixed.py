@@ -180,3 +180,39 @@ def test_format_errors_equal_the_fused_patched_layers(method):
     assert (got["cache_content"] >= 0).all() and got["cache_content"][
         0, names.index("c2r16")
     ] > 1e-3
+
+
+def test_loss_weights_are_kl_per_unit_of_the_layers_own_output_error():
+    """With layer ℓ alone quantized, its inputs are exact: the output NMSE seen inside the full run
+    equals the isolated per-layer measurement (OutputNMSE), and the KL is the float64 KL of the two
+    next-token distributions."""
+    from transformers import AutoModelForCausalLM
+
+    from quantmla.mixed import loss_weights
+    from quantmla.models.adapters import get_adapter
+    from quantmla.models.capture import OutputNMSE
+    from quantmla.models.tiny import tiny_mla_v2_config
+    from quantmla.simulator import patch_model, set_policy
+
+    torch.manual_seed(0)
+    config = tiny_mla_v2_config(vocab_size=64, hidden_size=64, num_layers=3, num_heads=2)
+    model = AutoModelForCausalLM.from_config(config).double().eval()
+    modules = get_adapter(model.config).attention_modules(model)
+    patch_model(model, "bf16", sink=2, recent=4)
+    windows = torch.randint(0, 64, (2, 24))
+    kl, out_nmse, weights = loss_weights(model, modules, windows, probe="c2r2", batch_size=2)
+
+    reference = OutputNMSE.capture(model, modules, windows)
+    set_policy(model, precision="c2r2")
+    np.testing.assert_allclose(out_nmse, reference.measure(modules), rtol=1e-6)  # float32 there
+    for layer in range(3):
+        set_policy(model, precision="bf16")
+        p = torch.log_softmax(model(windows).logits, -1)
+        set_policy(model, precision=["bf16"] * layer + ["c2r2"] + ["bf16"] * (2 - layer))
+        q = torch.log_softmax(model(windows).logits, -1)
+        expected = torch.distributions.kl_divergence(
+            torch.distributions.Categorical(logits=p), torch.distributions.Categorical(logits=q)
+        ).mean()
+        assert kl[layer] == pytest.approx(float(expected), rel=1e-9)
+    np.testing.assert_allclose(weights, kl / out_nmse)
+    assert (kl > 0).all()
