@@ -107,6 +107,8 @@ def test_mixed_record_and_single_format_hashes(sensitivity_store):
         (["precision.candidates=[c4r4,c9r4]"], ConfigError, "c9r4"),
         (["precision.sensitivity_experiment=none"], DataNotFoundError, "sensitivity records"),
         (["eval=sensitivity"], ConfigError, "perplexity"),
+        (["precision.allocation_error=kl"], ConfigError, "precision.allocation_error"),
+        (["method=quantmla", "method.artifact=x.safetensors"], ConfigError, "method.artifact"),
     ],
 )
 def test_mixed_refusals_name_the_field(sensitivity_store, overrides, error, named):
