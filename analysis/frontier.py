@@ -17,7 +17,11 @@ import numpy as np
 from analysis.common import pyplot, save
 from analysis.probes import spearman
 
-ERROR_MODELS = {"response": "R × NMSE", "output": "output", "loss": "loss"}  # precision.allocation_error
+ERROR_MODELS = {
+    "response": "R × NMSE",
+    "output": "output",
+    "loss": "loss",
+}  # precision.allocation_error
 
 
 @dataclass(frozen=True)
