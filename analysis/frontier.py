@@ -16,12 +16,10 @@ import numpy as np
 
 from analysis.common import pyplot, save
 from analysis.probes import spearman
+from quantmla.config import ALLOCATION_ERRORS
 
-ERROR_MODELS = {
-    "response": "R × NMSE",
-    "output": "output",
-    "loss": "loss",
-}  # precision.allocation_error
+# precision.allocation_error → its label (the others are their own)
+ERROR_MODELS = {m: {"response": "R × NMSE"}.get(m, m) for m in ALLOCATION_ERRORS}
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,7 @@ class Point:
     nll: dict  # dataset -> per-window mean NLL
     nmse: float | None
     record: dict
-    error_model: str = ""  # a mixed allocation's: "response" (R × cache NMSE) or "output"
+    error_model: str = ""  # a mixed allocation's precision.allocation_error
 
     @property
     def mixed(self) -> bool:
@@ -52,13 +50,11 @@ def points(records: list[dict]) -> list[Point]:
         datasets = cfg["eval"]["datasets"]
         mixed = p["name"] == "mixed"
         layers = tuple(m["allocation/precisions"]) if mixed else ()
-        # the allocation's error model: R × cache NMSE (`response`) or measured output NMSE
-        model = p.get("allocation_error", "response")
-        label = mixed and f"mixed@{p['budget_bytes']:g} ({ERROR_MODELS[model]})"
+        model = p.get("allocation_error", "response")  # records before the field: response
         out.append(
             Point(
                 cfg["method"]["name"],
-                label if mixed else p["name"],
+                f"mixed@{p['budget_bytes']:g} ({ERROR_MODELS[model]})" if mixed else p["name"],
                 layers,
                 m["cache/bytes_per_token"],
                 m["cache/bytes_per_token_protected"],

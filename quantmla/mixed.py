@@ -2,8 +2,8 @@
 by the exact allocator (`quantmla.allocation`) from what every candidate format costs each layer
 *after the job's method*: its transforms at that format (calibrated once per candidate, artifacts
 kept) applied to the layer's own latents (WikiText-2 valid windows through the BF16 model). The
-cost is the sensitivity records' R_C, R_P times each path's cache NMSE (`allocation_error=response`)
-or the layer's measured output NMSE (`output`). Methods then calibrate each layer at its chosen
+cost is the sensitivity records' R_C, R_P times each path's cache NMSE (`allocation_error=response`),
+the layer's measured output NMSE (`output`), or that weighted by its measured KL per unit (`loss`). Methods then calibrate each layer at its chosen
 format; the record carries the choice, its prediction and every input."""
 
 from __future__ import annotations
@@ -95,13 +95,21 @@ def check(job) -> None:
 ERROR_KEYS = ("cache_content", "cache_rope", "output_content", "output_rope")
 
 
-def _path_qdq(ctx, layer: int, result, dtype: torch.dtype):
-    """One layer's two path QDQs under a method's result (None: RTN): c ↦ ĉ in native coordinates,
-    (q_R, k_R) ↦ (q̂_R, k̂_R) as scored, the key matrix M_K and its inverse (back to native)."""
+def _digest(*tensors) -> str:
+    h = hashlib.sha1()
+    for t in tensors:
+        h.update(t.detach().cpu().double().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _layer_paths(ctx, layer: int, result, dtype: torch.dtype):
+    """One layer's two path QDQs under a method's result (None: RTN): c ↦ ĉ in native coordinates;
+    (q_R, k_R) ↦ (q̂_R, k̂_R) as scored; the key matrix M_K and its inverse (back to native); and
+    each path's transform digest, so candidates sharing a path format and transform measure it once."""
     g = ctx.adapter.geometry(ctx.modules[layer])
     transforms = result.layers[layer] if result is not None else None
-    if transforms is not None and transforms.content is not None:
-        fused = transforms.content
+    fused = transforms.content if transforms is not None else None
+    if fused is not None:
         gamma, rotation, scale = (
             t.to(ctx.device, dtype) for t in (ctx.gamma(layer), fused.rotation, fused.scale)
         )
@@ -114,41 +122,23 @@ def _path_qdq(ctx, layer: int, result, dtype: torch.dtype):
         h = hadamard(g.d_r)
         key, query = key @ h, query @ h
     key, query = key.to(ctx.device, dtype), query.to(ctx.device, dtype)
-    return content, lambda q, k, spec: rope_qdq(q, k, key, query, spec), key, torch.linalg.inv(key)
+    digests = (_digest(fused.rotation, fused.scale) if fused is not None else "", _digest(key))
+    scored = lambda q, k, spec: rope_qdq(q, k, key, query, spec)  # noqa: E731
+    return content, scored, key, torch.linalg.inv(key), digests
 
 
-def _protected_output(module, adapter, proj, q_rot, quantized, exact, sink: int, recent: int):
-    """Post-o_proj output with keys outside the BF16 protection (sink + recent) read from
-    `quantized` (c, k_R) and the protected ones from `exact`, both scored by `q_rot`."""
-    b, n = proj.c.shape[:2]
-    allowed = torch.ones(n, n, dtype=torch.bool, device=proj.c.device).tril()
-    protected = protected_mask(torch.arange(n, device=proj.c.device), n, sink, recent)
-    regions = [
-        (*quantized, (allowed & ~protected).expand(b, 1, n, n)),
-        (*exact, (allowed & protected).expand(b, 1, n, n)),
-    ]
+def _protection_masks(b: int, n: int, sink: int, recent: int, device):
+    """(quantized, protected) (B, 1, n, n) causal masks: keys read from the cache vs in BF16."""
+    allowed = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    protected = protected_mask(torch.arange(n, device=device), n, sink, recent)
+    return tuple(m.expand(b, 1, n, n) for m in (allowed & ~protected, allowed & protected))
+
+
+def _output(module, adapter, proj, q_rot, cached, exact, masks):
+    """Post-o_proj output reading the keys outside the protection from `cached` (c, k_R) and the
+    protected ones from `exact`, all scored by `q_rot`."""
+    regions = [(*cached, masks[0]), (*exact, masks[1])]
     return attention_output(module, adapter, proj.q_nope, q_rot, regions, form="expanded")
-
-
-def _digest(*tensors) -> str:
-    h = hashlib.sha1()
-    for t in tensors:
-        h.update(b"-" if t is None else t.detach().cpu().double().numpy().tobytes())
-    return h.hexdigest()
-
-
-def _path_keys(spec, result, layer: int) -> tuple[tuple, tuple]:
-    """What a candidate's content and RoPE errors depend on (its path format and the method's
-    transform for that path), so candidates that share a path measure it once."""
-    t = result.layers[layer] if result is not None else None
-    content, rope = (t.content, t.rope) if t is not None else (None, None)
-    online = result.rope_online if result is not None else None
-    return (
-        (spec.content_bits, spec.content_format, spec.group_size, spec.content_meta_dtype,
-         _digest(*(content and (content.rotation, content.scale) or (None,)))),
-        (spec.rope_bits, spec.rope_format, spec.group_size, spec.rope_meta_dtype, online,
-         _digest(*(rope and (rope.angles, rope.scales) or (None,)))),
-    )  # fmt: skip
 
 
 @torch.no_grad()
@@ -165,32 +155,40 @@ def format_errors(
     for layer, module in enumerate(ctx.modules):
         dt = module.o_proj.weight.dtype
         work = torch.promote_types(dt, torch.float32)  # the QDQ in float32 at least
-        qdqs = [_path_qdq(ctx, layer, results[name], work) for name in names]
-        keys = [_path_keys(specs[name], results[name], layer) for name in names]
+        paths = [_layer_paths(ctx, layer, results[name], work) for name in names]
+        keys = [
+            (
+                (s.content_bits, s.content_format, s.group_size, s.content_meta_dtype, digests[0]),
+                (s.rope_bits, s.rope_format, s.group_size, s.rope_meta_dtype, digests[1]),
+            )
+            for s, (*_, digests) in zip(specs.values(), paths)
+        ]
         for index in batches:
             proj, y = ctx.project(layer, index)
             c, q, k = (t.to(work) for t in (proj.c, proj.q_rot, proj.k_rot))
+            masks = _protection_masks(*proj.c.shape[:2], sink, recent, proj.c.device)
+
             measured = {}  # path key → (cache NMSE, output NMSE) on this batch
             for j, name in enumerate(names):
-                spec, (content, rope, key, native) = specs[name], qdqs[j]
+                spec, (content, scored, key, native, _) = specs[name], paths[j]
                 if spec.content_bits < UNQUANTIZED_BITS and keys[j][0] not in measured:
                     c_hat = content(c, spec)
-                    o = _protected_output(
+                    o = _output(
                         module, ctx.adapter, proj, proj.q_rot,
-                        (c_hat.to(dt), proj.k_rot), (proj.c, proj.k_rot), sink, recent,
+                        (c_hat.to(dt), proj.k_rot), (proj.c, proj.k_rot), masks,
                     )  # fmt: skip
                     measured[keys[j][0]] = float(nmse(c_hat, c)), float(nmse(o, y))
                 if spec.rope_bits < UNQUANTIZED_BITS and keys[j][1] not in measured:
-                    q_hat, k_hat = rope(q, k, spec)
-                    o = _protected_output(
+                    q_hat, k_hat = scored(q, k, spec)
+                    o = _output(
                         module, ctx.adapter, proj, q_hat.to(dt),
-                        (proj.c, k_hat.to(dt)), (proj.c, (k @ key).to(dt)), sink, recent,
+                        (proj.c, k_hat.to(dt)), (proj.c, (k @ key).to(dt)), masks,
                     )  # fmt: skip
                     measured[keys[j][1]] = float(nmse(k_hat @ native, k)), float(nmse(o, y))
                 for path, key_j in zip(("content", "rope"), keys[j]):
-                    cache, output = measured.get(key_j, (0.0, 0.0))
+                    cache, out_nmse = measured.get(key_j, (0.0, 0.0))
                     out[f"cache_{path}"][layer, j] += cache
-                    out[f"output_{path}"][layer, j] += output
+                    out[f"output_{path}"][layer, j] += out_nmse
     return {key: v / len(batches) for key, v in out.items()}
 
 
