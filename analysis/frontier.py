@@ -51,10 +51,13 @@ def points(records: list[dict]) -> list[Point]:
         mixed = p["name"] == "mixed"
         layers = tuple(m["allocation/precisions"]) if mixed else ()
         model = p.get("allocation_error", "response")  # records before the field: response
+        joint = f", joint {p['joint_top']}" if p.get("joint_top", 1) > 1 else ""
         out.append(
             Point(
                 cfg["method"]["name"],
-                f"mixed@{p['budget_bytes']:g} ({ERROR_MODELS[model]})" if mixed else p["name"],
+                f"mixed@{p['budget_bytes']:g} ({ERROR_MODELS[model]}{joint})"
+                if mixed
+                else p["name"],
                 layers,
                 m["cache/bytes_per_token"],
                 m["cache/bytes_per_token_protected"],

@@ -45,12 +45,15 @@ def predicted_errors(r_content, r_rope, nmse_content, nmse_rope) -> np.ndarray:
     return rc * np.asarray(nmse_content, float) + rp * np.asarray(nmse_rope, float)
 
 
-def allocate(errors, sizes, budget: float, precisions) -> Allocation:
-    """The exact minimum of Σ_ℓ errors[ℓ, k_ℓ] subject to Σ_ℓ sizes[k_ℓ] ≤ budget · L."""
+def best_allocations(errors, sizes, budget: float, precisions, k: int = 1) -> list[Allocation]:
+    """The `k` lowest Σ_ℓ errors[ℓ, k_ℓ] subject to Σ_ℓ sizes[k_ℓ] ≤ budget · L, best first, exact:
+    the dynamic program keeps the k cheapest partial allocations at every byte count."""
     errors, sizes = np.asarray(errors, float), np.asarray(sizes, np.int64)
-    layers, k = errors.shape
-    if sizes.shape != (k,) or len(precisions) != k:
-        raise ConfigError("allocation candidates", len(precisions), f"{k} formats with their bytes")
+    layers, n = errors.shape
+    if sizes.shape != (n,) or len(precisions) != n:
+        raise ConfigError("allocation candidates", len(precisions), f"{n} formats with their bytes")
+    if k < 1:
+        raise ConfigError("allocations to keep", k, ">= 1")
     if layers * sizes.min() > budget * layers:
         raise ConfigError(
             "precision.budget_bytes", budget,
@@ -58,26 +61,41 @@ def allocate(errors, sizes, budget: float, precisions) -> Allocation:
         )  # fmt: skip
     unit = reduce(math.gcd, sizes.tolist())
     steps, cap = sizes // unit, int(math.floor(budget * layers / unit + 1e-9))
-    cost = np.full(cap + 1, np.inf)
-    cost[0] = 0.0
-    choice = np.zeros((layers, cap + 1), np.int64)
+    cost = np.full((cap + 1, k), np.inf)  # cost[b, r]: the r-th cheapest prefix using b units
+    cost[0, 0] = 0.0
+    back = []  # per layer: (format, rank of the prefix it extends) of each kept entry
     for layer in range(layers):
-        options = np.full((k, cap + 1), np.inf)
-        for j in range(k):
+        options = np.full((cap + 1, n * k), np.inf)
+        for j in range(n):
             if steps[j] <= cap:
-                options[j, steps[j] :] = cost[: cap + 1 - steps[j]] + errors[layer, j]
-        choice[layer] = options.argmin(axis=0)  # first (earlier) format on ties
-        cost = options.min(axis=0)
-    total = int(np.flatnonzero(cost == cost.min())[0])  # fewest bytes among the optima
-    picks, at = [], total
-    for layer in range(layers - 1, -1, -1):
-        j = int(choice[layer, at])
-        picks.append(j)
-        at -= int(steps[j])
-    picks.reverse()
-    return Allocation(
-        tuple(precisions[j] for j in picks),
-        float(sum(errors[layer, j] for layer, j in enumerate(picks))),
-        float(sizes[picks].mean()),
-        float(budget),
-    )
+                options[steps[j] :, j * k : (j + 1) * k] = (
+                    cost[: cap + 1 - steps[j]] + errors[layer, j]
+                )
+        order = np.argsort(options, axis=1, kind="stable")[:, :k]  # earlier format on ties
+        cost = np.take_along_axis(options, order, axis=1)
+        back.append((order // k, order % k))
+    at, rank = np.nonzero(np.isfinite(cost))
+    best = np.lexsort((rank, at, cost[at, rank]))[:k]  # fewest bytes among equal errors
+    out = []
+    for b, r in zip(at[best].tolist(), rank[best].tolist()):
+        picks = []
+        for layer in range(layers - 1, -1, -1):
+            fmt, prev = back[layer]
+            j = int(fmt[b, r])
+            picks.append(j)
+            b, r = b - int(steps[j]), int(prev[b, r])
+        picks.reverse()
+        out.append(
+            Allocation(
+                tuple(precisions[j] for j in picks),
+                float(sum(errors[layer, j] for layer, j in enumerate(picks))),
+                float(sizes[picks].mean()),
+                float(budget),
+            )
+        )
+    return out
+
+
+def allocate(errors, sizes, budget: float, precisions) -> Allocation:
+    """The exact minimum of Σ_ℓ errors[ℓ, k_ℓ] subject to Σ_ℓ sizes[k_ℓ] ≤ budget · L."""
+    return best_allocations(errors, sizes, budget, precisions)[0]

@@ -36,6 +36,7 @@ class ModelConfig:
 
 MIXED_FIELDS = (
     "budget_bytes", "candidates", "allocation_error", "sensitivity_experiment", "allocation_windows",
+    "joint_top",
 )  # fmt: skip
 ALLOCATION_ERRORS = ("response", "output", "loss")
 MIXED_CANDIDATES = (
@@ -72,6 +73,11 @@ class PrecisionConfig:
     )
     allocation_windows: int = opt(
         8, "mixed: WikiText-2 valid windows (model.eval_seqlen) for each format's cache NMSE"
+    )
+    joint_top: int = opt(
+        1,
+        "mixed: the error model's k best allocations are run whole on the allocation windows and "
+        "the one with the lowest next-token KL to BF16 is taken (1: the error model's optimum)",
     )
 
 

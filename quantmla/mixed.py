@@ -3,8 +3,10 @@ by the exact allocator (`quantmla.allocation`) from what every candidate format 
 *after the job's method*: its transforms at that format (calibrated once per candidate, artifacts
 kept) applied to the layer's own latents (WikiText-2 valid windows through the BF16 model). The
 cost is the sensitivity records' R_C, R_P times each path's cache NMSE (`allocation_error=response`),
-the layer's measured output NMSE (`output`), or that weighted by its measured KL per unit (`loss`). Methods then calibrate each layer at its chosen
-format; the record carries the choice, its prediction and every input."""
+the layer's measured output NMSE (`output`), or that weighted by its measured KL per unit (`loss`).
+With `joint_top` k > 1 the error model's k best allocations run whole and the lowest next-token
+KL to BF16 wins (the models add layers up; the joint run does not). Methods then calibrate each
+layer at its chosen format; the record carries the choice, its prediction and every input."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import hashlib
 import numpy as np
 import torch
 
-from quantmla.allocation import Allocation, allocate, format_bytes, predicted_errors
+from quantmla.allocation import Allocation, best_allocations, format_bytes, predicted_errors
 from quantmla.attention import attention_output, protected_mask
 from quantmla.calibration.context import CalibrationContext
 from quantmla.calibration.objectives import content_qdq, rope_qdq
@@ -71,6 +73,8 @@ def check(job) -> None:
             layer.check_dims(config.kv_lora_rank, config.qk_rope_head_dim)
     if p.allocation_windows < 1:
         raise ConfigError("precision.allocation_windows", p.allocation_windows, ">= 1")
+    if p.joint_top < 1:
+        raise ConfigError("precision.joint_top", p.joint_top, ">= 1 (1: no joint check)")
     if p.allocation_error not in ALLOCATION_ERRORS:
         raise ConfigError("precision.allocation_error", p.allocation_error, ALLOCATION_ERRORS)
     if job.cfg.method.artifact:
@@ -196,6 +200,12 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+def _kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
+    """Mean next-token KL(P ‖ Q) per token, P from the reference log-probabilities."""
+    logq = torch.log_softmax(_wide(logits), dim=-1)
+    return float((reference.exp() * (reference - logq)).sum(-1).mean())
+
+
 # the format each layer is perturbed at to measure how its output error propagates
 LOSS_PROBE = "c2r4"
 
@@ -205,8 +215,6 @@ def loss_weights(model, modules, windows, probe: str = LOSS_PROBE, batch_size: i
     """Per layer ℓ, with ℓ alone cached at `probe` (RTN, protection as patched) and every other
     layer BF16: the next-token KL(BF16 ‖ perturbed) per token, layer ℓ's own post-o_proj output
     NMSE in the same run, and their ratio w_ℓ (nats per unit output NMSE): (3, L)."""
-    import torch.nn.functional as F
-
     from quantmla.simulator import set_policy
 
     n, device = len(modules), next(model.parameters()).device
@@ -220,12 +228,11 @@ def loss_weights(model, modules, windows, probe: str = LOSS_PROBE, batch_size: i
         for batch in batches:
             batch = batch.to(device)
             set_policy(model, precision="bf16")
-            reference = F.log_softmax(_wide(model(batch).logits), dim=-1)
+            reference = torch.log_softmax(_wide(model(batch).logits), dim=-1)
             teacher = dict(captured)
             for layer in range(n):
                 set_policy(model, precision=["bf16"] * layer + [probe] + ["bf16"] * (n - layer - 1))
-                logp = F.log_softmax(_wide(model(batch).logits), dim=-1)
-                kl[layer] += float((reference.exp() * (reference - logp)).sum(-1).mean())
+                kl[layer] += _kl(reference, model(batch).logits)
                 out_nmse[layer] += float(nmse(captured[layer], teacher[layer]))
     finally:
         for h in hooks:
@@ -233,6 +240,51 @@ def loss_weights(model, modules, windows, probe: str = LOSS_PROBE, batch_size: i
         set_policy(model, precision="bf16")
     kl, out_nmse = kl / len(batches), out_nmse / len(batches)
     return kl, out_nmse, kl / np.maximum(out_nmse, 1e-30)
+
+
+@torch.no_grad()
+def joint_kl(model, adapter, modules, results: dict, allocations, windows, batch_size: int = 2):
+    """Per allocation (one format per layer), the next-token KL(BF16 ‖ quantized) per token on
+    `windows` with every layer cached at its own format and the job's transforms at that format
+    fused (`results`: format → method result or None): the allocation's joint error, which the
+    per-layer error models only add up. The model is left as it came (unfused, BF16)."""
+    from quantmla.methods.base import fuse_layer
+    from quantmla.simulator import layer_patch, set_policy
+
+    device = next(model.parameters()).device
+    originals = [{k: v.clone() for k, v in m.state_dict().items()} for m in modules]
+    current = [None] * len(modules)  # the format whose transforms each layer holds now
+
+    def hold(layer: int, name: str) -> None:
+        result = results.get(name)
+        key = None if result is None else name
+        if current[layer] == key:
+            return
+        module = modules[layer]
+        module.load_state_dict(originals[layer])
+        layer_patch(module).rope_online = None
+        if result is not None:
+            fuse_layer(module, adapter, result.layers[layer], result.rope_online)
+        current[layer] = key
+
+    kl, batches = np.zeros(len(allocations)), windows.split(batch_size)
+    try:
+        for batch in batches:
+            batch = batch.to(device)
+            for layer in range(len(modules)):
+                hold(layer, None)  # the reference: the unfused BF16 model
+            set_policy(model, precision="bf16")
+            reference = torch.log_softmax(_wide(model(batch).logits), dim=-1)
+            for i, precisions in enumerate(allocations):
+                for layer, name in enumerate(precisions):
+                    hold(layer, name)
+                set_policy(model, precision=list(precisions))
+                kl[i] += _kl(reference, model(batch).logits)
+    finally:
+        for layer in range(len(modules)):
+            hold(layer, None)
+        set_policy(model, precision="bf16")
+    return kl / len(batches)
 
 
 def candidate_results(job, model, adapter, modules, tokenizer, specs: dict) -> dict:
@@ -292,7 +344,19 @@ def allocate_for_job(job, model, adapter, modules, tokenizer) -> tuple[Allocatio
             loss_weights=weights.tolist(),
         )  # fmt: skip
     sizes = format_bytes(candidates, d_c, d_r, p.group_size)
-    allocation = allocate(errors, sizes, p.budget_bytes, candidates)
+    best = best_allocations(errors, sizes, p.budget_bytes, candidates, p.joint_top)
+    allocation = best[0]
+    if len(best) > 1:  # the error model's shortlist, run whole: the lowest measured KL is taken
+        print(
+            f"[quantmla] mixed: joint check of the {len(best)} best allocations ({p.allocation_error})"
+        )
+        kl = joint_kl(model, adapter, modules, results, [a.precisions for a in best], windows)
+        allocation = best[int(np.argmin(kl))]
+        report.update(
+            joint_allocations=[list(a.precisions) for a in best],
+            joint_predicted=[a.predicted for a in best],
+            joint_kl=kl.tolist(),
+        )
     print(
         f"[quantmla] mixed allocation at {p.budget_bytes:g} B/token: {', '.join(allocation.precisions)} "
         f"({allocation.bytes_per_token:g} B/token, predicted Σ error ({p.allocation_error}) {allocation.predicted:.3e})"

@@ -158,15 +158,13 @@ def patch_model(
             continue
         patch = LayerPatch(adapter, geometry, policy, module.__dict__.get("forward"))
         setattr(module, PATCH_ATTRIBUTE, patch)
-        module.forward = types.MethodType(_bound_forward(patch), module)
+        module.forward = types.MethodType(_patched_forward, module)
     return model
 
 
-def _bound_forward(patch: LayerPatch):
-    def forward(self, hidden_states, **kwargs):
-        return mla_forward(self, hidden_states, patch=patch, **kwargs)
-
-    return forward
+def _patched_forward(self, hidden_states, **kwargs):
+    """The patched module's forward; it finds its patch on itself, so a deep copy finds its own."""
+    return mla_forward(self, hidden_states, patch=layer_patch(self), **kwargs)
 
 
 def layer_patch(module: nn.Module) -> LayerPatch:

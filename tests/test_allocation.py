@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from quantmla.allocation import allocate, format_bytes, predicted_errors
+from quantmla.allocation import allocate, best_allocations, format_bytes, predicted_errors
 from quantmla.errors import ConfigError
 
 FORMATS = ["c2r4", "c4r4", "c4r8", "c8r8", "ce4m3r16", "bf16"]
@@ -38,6 +38,28 @@ def test_the_optimum_equals_brute_force_and_respects_the_budget(seed):
         assert got.bytes_per_token * 4 == total <= budget * 4  # ties: fewest bytes
         assert got.precisions == tuple(FORMATS[j] for j in picks)
         assert allocate(errors, sizes, budget, FORMATS) == got  # deterministic
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_k_best_equal_the_brute_forced_ranking(seed):
+    rng = np.random.default_rng(seed)
+    sizes = format_bytes(FORMATS, 256, 64)
+    errors = rng.random((4, len(FORMATS)))  # continuous: no ties, one ranking
+    for budget in (150, 250, sizes.max()):
+        feasible = sorted(
+            (sum(errors[i, j] for i, j in enumerate(picks)), picks)
+            for picks in itertools.product(range(len(FORMATS)), repeat=4)
+            if sum(sizes[j] for j in picks) <= budget * 4
+        )
+        got = best_allocations(errors, sizes, budget, FORMATS, k=12)
+        assert len(got) == min(12, len(feasible))
+        for a, (value, picks) in zip(got, feasible):
+            assert a.precisions == tuple(FORMATS[j] for j in picks)
+            np.testing.assert_allclose(a.predicted, value, rtol=1e-12)
+            assert a.bytes_per_token * 4 == sum(sizes[j] for j in picks) <= budget * 4
+        assert got[0] == allocate(errors, sizes, budget, FORMATS)
+    few = best_allocations(errors, sizes, sizes.min(), FORMATS, k=5)  # one feasible allocation
+    assert [a.precisions for a in few] == [("c2r4",) * 4]
 
 
 def test_bytes_errors_and_refusals():

@@ -88,10 +88,16 @@ def test_mixed_job_allocates_patches_and_calibrates_each_layer(sensitivity_store
 def test_mixed_record_and_single_format_hashes(sensitivity_store):
     from quantmla.run import run
 
-    record = run(run_config(*tiny_job(sensitivity_store, *MIXED)))
+    record = run(run_config(*tiny_job(sensitivity_store, *MIXED, "precision.joint_top=3")))
+    m = record["metrics"]
     assert record["config"]["precision"]["budget_bytes"] == 96
-    assert len(record["metrics"]["allocation/precisions"]) == 6
-    assert record["metrics"]["ppl/wikitext2"] > 1
+    assert len(m["allocation/precisions"]) == 6
+    assert m["ppl/wikitext2"] > 1
+    # the joint check: the error model's 3 best, run whole; the lowest KL to BF16 is the allocation
+    shortlist, kl = m["allocation/joint_allocations"], m["allocation/joint_kl"]
+    assert len(shortlist) == len(set(map(tuple, shortlist))) == 3
+    assert m["allocation/joint_predicted"] == sorted(m["allocation/joint_predicted"])
+    assert m["allocation/precisions"] == shortlist[int(np.argmin(kl))] and min(kl) > 0
     single = run(run_config(*tiny_job(sensitivity_store, "precision=c4r4")))
     # a single-format record's precision block is what it was before mixed existed (same hash)
     assert set(single["config"]["precision"]) == {"name", "sink", "recent", "group_size"}
@@ -108,6 +114,7 @@ def test_mixed_record_and_single_format_hashes(sensitivity_store):
         (["precision.sensitivity_experiment=none"], DataNotFoundError, "sensitivity records"),
         (["eval=sensitivity"], ConfigError, "perplexity"),
         (["precision.allocation_error=kl"], ConfigError, "precision.allocation_error"),
+        (["precision.joint_top=0"], ConfigError, "precision.joint_top"),
         (["method=quantmla", "method.artifact=x.safetensors"], ConfigError, "method.artifact"),
     ],
 )
@@ -218,3 +225,69 @@ def test_loss_weights_are_kl_per_unit_of_the_layers_own_output_error():
         assert kl[layer] == pytest.approx(float(expected), rel=1e-9)
     np.testing.assert_allclose(weights, kl / out_nmse)
     assert (kl > 0).all()
+
+
+def test_joint_kl_is_the_fused_mixed_models_kl():
+    """The joint check's KL of an allocation = float64 KL(BF16 ‖ a fresh copy with each layer's
+    transforms at its format fused by apply_method and patched at that format); the model is left
+    unfused and BF16; an all-BF16 allocation costs exactly 0."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from quantmla.methods.base import MethodResult, apply_method
+    from quantmla.mixed import joint_kl
+    from quantmla.models.adapters import get_adapter
+    from quantmla.models.tiny import tiny_mla_v2_config
+    from quantmla.simulator import layer_patch, patch_model, set_policy
+    from quantmla.transforms import LayerTransforms
+    from tests.test_transforms import random_transforms
+
+    torch.manual_seed(0)
+    config = tiny_mla_v2_config(vocab_size=64, hidden_size=64, num_layers=3, num_heads=2)
+    base = AutoModelForCausalLM.from_config(config).double().eval()
+    model = copy.deepcopy(base)
+    adapter = get_adapter(model.config)
+    modules = adapter.attention_modules(model)
+    patch_model(model, "bf16", sink=2, recent=4)
+    before = copy.deepcopy(model.state_dict())
+    results = {
+        name: MethodResult(
+            "random",
+            [LayerTransforms(*random_transforms(256, 64, seed=10 * s + i)) for i in range(3)],
+        )
+        for s, name in enumerate(["c2r4", "c3r2"])
+    }
+    results["bf16"] = None
+    allocations = [("c2r4", "c3r2", "bf16"), ("c3r2", "c3r2", "c2r4"), ("bf16",) * 3]
+    windows = torch.randint(0, 64, (3, 20))
+    got = joint_kl(model, adapter, modules, results, allocations, windows, batch_size=2)
+
+    reference = torch.log_softmax(base(windows).logits, -1)
+    for kl, precisions in zip(got[:2], allocations):
+        fused = copy.deepcopy(base)
+        patch_model(fused, list(precisions), sink=2, recent=4)
+        layers = [
+            results[p].layers[i] if results[p] else LayerTransforms(None, None)
+            for i, p in enumerate(precisions)
+        ]
+        apply_method(fused, adapter, MethodResult("mixed", layers))
+        logits = fused(windows).logits
+        per_batch = [
+            torch.distributions.kl_divergence(
+                torch.distributions.Categorical(logits=reference[s]),
+                torch.distributions.Categorical(logits=logits[s]),
+            ).mean()
+            for s in (slice(0, 2), slice(2, 3))
+        ]
+        assert kl == pytest.approx(float(sum(per_batch) / 2), rel=1e-9)
+        assert kl > 1e-6
+    assert got[2] == 0.0
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert all(layer_patch(m).rope_online is None for m in modules)
+    assert [layer_patch(m).policy.precision for m in modules] == ["bf16"] * 3
+    # a patched model's deep copy is patched on its own: its policy reaches its forward only
+    twin = copy.deepcopy(model)
+    set_policy(twin, precision="c2r2")
+    assert not torch.equal(twin(windows).logits, model(windows).logits)

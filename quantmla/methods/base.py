@@ -70,16 +70,20 @@ def apply_method(model: nn.Module, adapter: MLAAdapter, result: MethodResult) ->
         raise ArtifactMismatchError(
             f"artifact has {len(result.layers)} layers, the model {len(modules)}"
         )
-    patches = [layer_patch(m) for m in modules] if result.rope_online else [None] * len(modules)
-    for module, layer, patch in zip(modules, result.layers, patches):
-        with dequantized_for_fusion(module):  # FP8 weights: dequantize → fuse → requantize
-            if layer.content is not None:
-                fuse_content(module, adapter, layer.content)
-            if layer.rope is not None:
-                fuse_rope(module, adapter, layer.rope)
-        if result.rope_online == "hadamard":
-            h = hadamard(module.qk_rope_head_dim)
-            patch.rope_online = h.to(module.o_proj.weight)
+    for module, layer in zip(modules, result.layers):
+        fuse_layer(module, adapter, layer, result.rope_online)
+
+
+@torch.no_grad()
+def fuse_layer(module: nn.Module, adapter: MLAAdapter, layer, rope_online: str | None) -> None:
+    """One layer's part of `apply_method` (a mixed allocation's joint check fuses layer by layer)."""
+    with dequantized_for_fusion(module):  # FP8 weights: dequantize → fuse → requantize
+        if layer.content is not None:
+            fuse_content(module, adapter, layer.content)
+        if layer.rope is not None:
+            fuse_rope(module, adapter, layer.rope)
+    if rope_online == "hadamard":
+        layer_patch(module).rope_online = hadamard(module.qk_rope_head_dim).to(module.o_proj.weight)
 
 
 def save_artifact(result: MethodResult, path: str | Path) -> None:
