@@ -68,7 +68,7 @@ def points(records: list[dict]) -> list[Point]:
                 model if mixed else "",
             )
         )
-    return sorted(out, key=lambda x: (x.method != "rtn", x.method, x.bytes, x.mixed))
+    return sorted(out, key=lambda x: (x.method != "rtn", x.method, x.bytes, x.mixed, x.cache))
 
 
 def reference(pts: list[Point]) -> Point:
