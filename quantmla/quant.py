@@ -21,6 +21,7 @@ Non-finite input stays inside its own group: a NaN/Inf in one group never change
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,8 @@ from quantmla.errors import ConfigError, NonFiniteCacheError
 from quantmla.spec import FP8_FORMATS, UNQUANTIZED_BITS, QuantizerSpec, check_bits
 
 SCALE_FLOOR = 1e-8
-PACKABLE_BITS = (2, 4, 8)
+# codes pack little-end first into words of lcm(bits, 8) bits (one byte, or three for 3 and 6 bits)
+PACKABLE_BITS = (1, 2, 3, 4, 6, 8)
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}  # largest finite value of each format
 
@@ -105,25 +107,35 @@ def quantize_dequantize(
     return ((codes - zero) * scale).flatten(-2).to(x.dtype)
 
 
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack integer codes (< 2^bits) along the last axis into uint8, little-end first; 8/bits codes a byte."""
+def pack_word(bits: int) -> tuple[int, int]:
+    """(bytes, codes) of one packed word: lcm(bits, 8) bits, e.g. 3-bit codes 8 to 3 bytes."""
     if bits not in PACKABLE_BITS:
         raise ConfigError("pack bits", bits, PACKABLE_BITS)
-    per_byte = 8 // bits
-    if codes.shape[-1] % per_byte:
-        raise ConfigError("pack last dimension", codes.shape[-1], f"a multiple of {per_byte}")
-    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], -1, per_byte)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    return (c << shifts).sum(dim=-1, dtype=torch.uint8)
+    word_bytes = math.lcm(bits, 8) // 8
+    return word_bytes, 8 * word_bytes // bits
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer codes (< 2^bits) along the last axis into uint8: code j of a word at bit
+    j·bits, the word's bytes little-endian (`pack_word`)."""
+    word_bytes, per_word = pack_word(bits)
+    if codes.shape[-1] % per_word:
+        raise ConfigError("pack last dimension", codes.shape[-1], f"a multiple of {per_word}")
+    c = codes.to(torch.int32).reshape(*codes.shape[:-1], -1, per_word)
+    shifts = torch.arange(0, 8 * word_bytes, bits, dtype=torch.int32, device=codes.device)
+    word = (c << shifts).sum(dim=-1, dtype=torch.int32)
+    to_bytes = torch.arange(0, 8 * word_bytes, 8, dtype=torch.int32, device=codes.device)
+    return ((word.unsqueeze(-1) >> to_bytes) & 0xFF).to(torch.uint8).flatten(-2)
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of `pack`: uint8 codes, last axis 8/bits times longer."""
-    if bits not in PACKABLE_BITS:
-        raise ConfigError("pack bits", bits, PACKABLE_BITS)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    mask = (1 << bits) - 1
-    return ((packed.unsqueeze(-1) >> shifts) & mask).flatten(-2)
+    """Inverse of `pack`: uint8 codes, the last axis 8/bits times longer."""
+    word_bytes, _ = pack_word(bits)
+    b = packed.to(torch.int32).reshape(*packed.shape[:-1], -1, word_bytes)
+    from_bytes = torch.arange(0, 8 * word_bytes, 8, dtype=torch.int32, device=packed.device)
+    word = (b << from_bytes).sum(dim=-1, dtype=torch.int32)
+    shifts = torch.arange(0, 8 * word_bytes, bits, dtype=torch.int32, device=packed.device)
+    return ((word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).to(torch.uint8).flatten(-2)
 
 
 def fp8_round(v: torch.Tensor, fmt: str, ste: bool = False) -> torch.Tensor:

@@ -112,11 +112,11 @@ def test_generate_entry_point_prints_continuation_speed_and_bytes(capsys, monkey
 
 @needs_tiny
 def test_a_mixed_allocation_generates_the_same_text_packed_and_simulated(tiny):
-    """One format per layer (integer widths and a BF16 layer): the packed cache holds each layer in
+    """One format per layer (1- to 8-bit integer widths and a BF16 layer): the packed cache holds each layer in
     its own layout, the BF16 layer stays a plain cache layer, and greedy text equals the simulator's."""
     model, ids = tiny
     layers = model.config.num_hidden_layers
-    mixed = [("c2r4", "c4r4", "bf16", "c8r8")[i % 4] for i in range(layers)]
+    mixed = [("c2r4", "c4r4", "bf16", "c8r8", "c1r2", "c3r6")[i % 6] for i in range(layers)]
     prompt, steps = ids[:, :150], 12
     patch_model(model, mixed)
     try:

@@ -24,7 +24,7 @@ def filled_pool(lay, lengths, seed=0):
     return pool
 
 
-@pytest.mark.parametrize("precision", ["c4r4", "c2r4", "c8r8"])
+@pytest.mark.parametrize("precision", ["c4r4", "c2r4", "c8r8", "c3r1", "c6r3"])
 @pytest.mark.parametrize("page_tokens", [16, 64])
 def test_cpu_decode_equals_the_float64_reference(precision, page_tokens):
     lay = small_layout(precision, sink=4, recent=24, page_tokens=page_tokens)

@@ -13,7 +13,7 @@ from quantmla_kernels.paged_cache.pool import PagePool, PoolExhaustedError
 from quantmla_kernels.paged_cache.reference import read_tokens
 from quantmla_kernels.paged_cache.writer import write_tokens
 
-PRECISIONS = ("c4r4", "c2r4")
+PRECISIONS = ("c4r4", "c2r4", "c3r6", "c1r8")
 
 
 def small_layout(precision="c4r4", d_c=128, d_r=64, **kw):

@@ -89,12 +89,18 @@ def test_nonfinite_stays_in_its_group():
     assert torch.equal(out[mask], clean[mask])
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 6, 8])
 def test_pack_unpack_exact(bits):
     codes = torch.randint(0, 2**bits, (5, 3, 64), dtype=torch.uint8)
     packed = pack(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape[-1] == 64 * bits // 8
     assert torch.equal(unpack(packed, bits), codes)
+    # the layout: each row is one little-endian bit stream, code i at bits [i·bits, (i+1)·bits)
+    for row_codes, row_bytes in zip(codes.reshape(-1, 64).tolist(), packed.reshape(-1, 8 * bits)):
+        stream = sum(code << (i * bits) for i, code in enumerate(row_codes))
+        assert int.from_bytes(bytes(row_bytes.tolist()), "little") == stream
+    with pytest.raises(ConfigError, match="pack bits=5"):
+        pack(codes, 5)
 
 
 def test_dequantize_of_packed_codes_equals_fake_quant():

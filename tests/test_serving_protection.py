@@ -57,8 +57,9 @@ def test_budget_and_capacity_arithmetic():
 
 
 def test_settings_refuse_what_the_writer_cannot_pack():
-    with pytest.raises(ConfigError, match="c3r4"):
-        ServeSettings(precision="c3r4")
+    with pytest.raises(ConfigError, match="c5r4"):
+        ServeSettings(precision="c5r4")  # 5-bit words would be 5 bytes: not packed
+    assert ServeSettings(precision="c3r4").spec.content_bits == 3  # 8 codes in 3 bytes
     with pytest.raises(ConfigError, match="c4r16"):
         ServeSettings(precision="c4r16")  # a BF16 RoPE key is not a packed path here
     with pytest.raises(ConfigError, match="protection_dtype"):

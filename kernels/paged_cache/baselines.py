@@ -27,11 +27,13 @@ if triton is not None:
         GROUP: tl.constexpr,
         PAGE_BYTES: tl.constexpr,
         C_BITS: tl.constexpr,
+        C_WORD: tl.constexpr,
         C_META: tl.constexpr,
         C_CODES: tl.constexpr,
         C_SCALES: tl.constexpr,
         C_ZEROS: tl.constexpr,
         R_BITS: tl.constexpr,
+        R_WORD: tl.constexpr,
         R_META: tl.constexpr,
         R_CODES: tl.constexpr,
         R_SCALES: tl.constexpr,
@@ -43,10 +45,32 @@ if triton is not None:
         base = page * PAGE_BYTES
         rows = tl.arange(0, PAGE)
         c = _dequant_tile(
-            store_ptr, base, rows, D_C, GROUP, C_BITS, C_META, C_CODES, C_SCALES, C_ZEROS, PAGE
+            store_ptr,
+            base,
+            rows,
+            D_C,
+            GROUP,
+            C_BITS,
+            C_WORD,
+            C_META,
+            C_CODES,
+            C_SCALES,
+            C_ZEROS,
+            PAGE,
         )
         k = _dequant_tile(
-            store_ptr, base, rows, D_R, GROUP, R_BITS, R_META, R_CODES, R_SCALES, R_ZEROS, PAGE
+            store_ptr,
+            base,
+            rows,
+            D_R,
+            GROUP,
+            R_BITS,
+            R_WORD,
+            R_META,
+            R_CODES,
+            R_SCALES,
+            R_ZEROS,
+            PAGE,
         )
         row_at = (page * PAGE + rows[:, None]) * (D_C + D_R)
         tl.store(out_ptr + row_at + tl.arange(0, D_C)[None, :], c.to(out_ptr.dtype.element_ty))

@@ -3,7 +3,7 @@
 Same inputs and outputs as `decode.launch_decode` (page tables, lengths, flat page storage, the
 stacked protection rows; `o` (B, H, d_c) float32 and its log-sum-exp), so an engine calls one or
 the other by device. Each step gathers the batch's pages once, unpacks the codes through a
-byte → codes lookup table, dequantizes per group and runs one softmax over the packed region and
+shift and mask per packed word, dequantizes per group and runs one softmax over the packed region and
 the protected rows together. `decode_rows` is the same attention over BF16 row pages (an engine's
 unquantized cache), so the two are timed against each other on equal terms. Tested against the
 float64 `reference.decode_reference`.
@@ -12,20 +12,12 @@ float64 `reference.decode_reference`.
 from __future__ import annotations
 
 import math
-from functools import cache
 
 import torch
 
 from quantmla.memory import CacheLayout
+from quantmla.quant import pack_word, unpack
 from quantmla_kernels.paged_cache.layout import check_packable, paths
-
-
-@cache
-def _unpack_table(bits: int, device: torch.device) -> torch.Tensor:
-    """(256, 8 // bits) float32: the codes of every byte, lowest bits first (`quant.pack`)."""
-    byte = torch.arange(256, dtype=torch.int64)
-    shifts = torch.arange(0, 8, bits)
-    return ((byte[:, None] >> shifts) & ((1 << bits) - 1)).float().to(device)
 
 
 def _gather_pages(storage: torch.Tensor, table: torch.Tensor, n_pages: int) -> torch.Tensor:
@@ -50,7 +42,7 @@ def dequantize_pages(
             start, size = sections[f"{path.name}_{kind}"]
             return pages[..., start : start + size].reshape(b, n_pages * t, width)
 
-        codes = _unpack_table(path.bits, storage.device)[section("codes", path.row_bytes).long()]
+        codes = unpack(section("codes", path.row_bytes), path.bits).float()
         meta = path.meta_dtype.itemsize
         scale = section("scales", groups * meta).contiguous().view(path.meta_dtype).float()
         zero = section("zeros", groups).float()
@@ -71,26 +63,32 @@ def _protected_positions(lens: torch.Tensor, sink: int, recent: int, rows: int):
 
 class _PackedPath:
     """One path of the gathered pages in the form the grouped products need, without
-    dequantizing: the codes as floats (B, G, T, per_byte · group bytes), the m-th code of every
-    byte of a group first, then the (m+1)-th, and the per-group scale and zero (B, T, G), scales
-    zeroed where `keep` is False (bytes there may be stale)."""
+    dequantizing: the codes as floats (B, G, T, per_word · group words), the m-th code of every
+    packed word of a group first, then the (m+1)-th, and the per-group scale and zero (B, T, G),
+    scales zeroed where `keep` is False (bytes there may be stale)."""
 
     def __init__(self, pages, layout: CacheLayout, path, keep):
         b, n_pages, _ = pages.shape
         t, g = layout.page_tokens, layout.spec.group_size
-        self.path, self.groups, self.per_byte = path, path.dim // g, 8 // path.bits
-        self.group_bytes, tokens = g // self.per_byte, n_pages * t
+        word_bytes, self.per_word = pack_word(path.bits)
+        self.path, self.groups = path, path.dim // g
+        self.group_words, tokens = g // self.per_word, n_pages * t
         sections = layout.sections()
 
         def section(kind, width):
             start, size = sections[f"{path.name}_{kind}"]
             return pages[..., start : start + size].reshape(b, tokens, width)
 
-        packed = section("codes", path.row_bytes).view(b, tokens, self.groups, self.group_bytes)
-        codes = torch.empty(b, self.groups, tokens, self.per_byte, self.group_bytes)
-        packed, mask = packed.permute(0, 2, 1, 3), (1 << path.bits) - 1
-        for m in range(self.per_byte):  # uint8 -> float32, straight into the grouped layout
-            codes[..., m, :].copy_((packed >> (m * path.bits)) & mask if m else packed & mask)
+        packed = section("codes", path.row_bytes).view(b, tokens, self.groups, -1, word_bytes)
+        words = packed[..., 0]  # a word is one byte but for 3- and 6-bit codes (three)
+        if word_bytes > 1:
+            words = words.to(torch.int32)
+            for k in range(1, word_bytes):
+                words = words | packed[..., k].to(torch.int32) << (8 * k)
+        codes = torch.empty(b, self.groups, tokens, self.per_word, self.group_words)
+        words, mask = words.permute(0, 2, 1, 3), (1 << path.bits) - 1
+        for m in range(self.per_word):  # -> float32, straight into the grouped layout
+            codes[..., m, :].copy_((words >> (m * path.bits)) & mask)
         self.codes = codes.view(b, self.groups, tokens, -1)
         scale = section("scales", self.groups * path.meta_dtype.itemsize)
         scale = scale.contiguous().view(path.meta_dtype).float()
@@ -99,7 +97,7 @@ class _PackedPath:
 
     def scores(self, q: torch.Tensor) -> torch.Tensor:
         """(B, H, T) q · x̂_t = Σ_g s_g (q_g · codes_g) − Σ_g s_g z_g Σ_{k∈g} q_k."""
-        qg = q.reshape(*q.shape[:2], self.groups, self.group_bytes, self.per_byte)
+        qg = q.reshape(*q.shape[:2], self.groups, self.group_words, self.per_word)
         q_codes = qg.transpose(-1, -2).reshape(*q.shape[:2], self.groups, -1)  # (B, H, G, K)
         per_group = q_codes.transpose(1, 2) @ self.codes.transpose(-1, -2)  # (B, G, H, T)
         scores = (per_group * self.scale.permute(0, 2, 1)[:, :, None, :]).sum(1)  # (B, H, T)
@@ -109,7 +107,7 @@ class _PackedPath:
     def weighted_sum(self, p: torch.Tensor) -> torch.Tensor:
         """(B, H, dim) Σ_t p_t x̂_t for weights p (B, H, T)."""
         w = p[:, None] * self.scale.permute(0, 2, 1)[:, :, None, :]  # (B, G, H, T)
-        u = (w @ self.codes).view(*w.shape[:3], self.per_byte, self.group_bytes)
+        u = (w @ self.codes).view(*w.shape[:3], self.per_word, self.group_words)
         wz = (w * self.zero.permute(0, 2, 1)[:, :, None, :]).sum(-1)  # (B, G, H)
         u = u - wz[..., None, None]
         out = u.transpose(-1, -2).reshape(*w.shape[:3], -1)  # (B, G, H, g) in code order

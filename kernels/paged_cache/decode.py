@@ -49,6 +49,7 @@ if triton is not None:
         DIM: tl.constexpr,
         GROUP: tl.constexpr,
         BITS: tl.constexpr,
+        WORD_BYTES: tl.constexpr,
         META_BYTES: tl.constexpr,
         CODES_AT: tl.constexpr,
         SCALES_AT: tl.constexpr,
@@ -56,13 +57,22 @@ if triton is not None:
         TILE: tl.constexpr,
     ):
         """(TILE, DIM) fp32 ĉ = (q − z)·s of one page's rows: unpacked and scaled in registers."""
-        PER_BYTE: tl.constexpr = 8 // BITS
+        PER_WORD: tl.constexpr = 8 * WORD_BYTES // BITS  # codes in one packed word
         GROUPS: tl.constexpr = DIM // GROUP
         MASK: tl.constexpr = (1 << BITS) - 1
-        nb = tl.arange(0, DIM // PER_BYTE)
-        j = tl.arange(0, PER_BYTE)
-        byte = tl.load(ptr + page_base + CODES_AT + rows[:, None] * (DIM // PER_BYTE) + nb[None, :])
-        codes = (byte.to(tl.int32)[:, :, None] >> (j[None, None, :] * BITS)) & MASK
+        nw = tl.arange(0, DIM // PER_WORD)
+        j = tl.arange(0, PER_WORD)
+        at = (
+            ptr
+            + page_base
+            + CODES_AT
+            + rows[:, None] * (DIM * BITS // 8)
+            + nw[None, :] * WORD_BYTES
+        )
+        word = tl.load(at).to(tl.int32)
+        for k in tl.static_range(1, WORD_BYTES):  # little-endian bytes of the word
+            word = word | (tl.load(at + k).to(tl.int32) << (8 * k))
+        codes = (word[:, :, None] >> (j[None, None, :] * BITS)) & MASK
         codes = tl.reshape(codes.to(tl.float32), (TILE, DIM))
         g = tl.arange(0, GROUPS)
         meta_at = page_base + rows[:, None] * (GROUPS * META_BYTES) + g[None, :] * META_BYTES
@@ -112,11 +122,13 @@ if triton is not None:
         GROUP: tl.constexpr,
         PAGE_BYTES: tl.constexpr,
         C_BITS: tl.constexpr,
+        C_WORD: tl.constexpr,
         C_META: tl.constexpr,
         C_CODES: tl.constexpr,
         C_SCALES: tl.constexpr,
         C_ZEROS: tl.constexpr,
         R_BITS: tl.constexpr,
+        R_WORD: tl.constexpr,
         R_META: tl.constexpr,
         R_CODES: tl.constexpr,
         R_SCALES: tl.constexpr,
@@ -175,6 +187,7 @@ if triton is not None:
                         D_C,
                         GROUP,
                         C_BITS,
+                        C_WORD,
                         C_META,
                         C_CODES,
                         C_SCALES,
@@ -188,6 +201,7 @@ if triton is not None:
                         D_R,
                         GROUP,
                         R_BITS,
+                        R_WORD,
                         R_META,
                         R_CODES,
                         R_SCALES,

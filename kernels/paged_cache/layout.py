@@ -10,7 +10,7 @@ import torch
 
 from quantmla.errors import ConfigError
 from quantmla.memory import CacheLayout
-from quantmla.quant import PACKABLE_BITS
+from quantmla.quant import PACKABLE_BITS, pack_word
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,7 @@ def layout_constants(layout: CacheLayout) -> dict:
     out["PAGE_BYTES"] = layout.page_bytes()
     for prefix, path in (("C", content), ("R", rope)):
         out[f"{prefix}_BITS"] = path.bits
+        out[f"{prefix}_WORD"] = pack_word(path.bits)[0]  # bytes of one packed word
         out[f"{prefix}_META"] = path.meta_dtype.itemsize
         for kind in ("codes", "scales", "zeros"):
             out[f"{prefix}_{kind.upper()}"] = sec[f"{path.name}_{kind}"][0]

@@ -117,19 +117,20 @@ if triton is not None:
         DIM: tl.constexpr,
         GROUP: tl.constexpr,
         BITS: tl.constexpr,
+        WORD_BYTES: tl.constexpr,
         META_BYTES: tl.constexpr,
         CODES_AT: tl.constexpr,
         SCALES_AT: tl.constexpr,
         ZEROS_AT: tl.constexpr,
     ):
-        PER_BYTE: tl.constexpr = 8 // BITS
-        GROUP_BYTES: tl.constexpr = GROUP // PER_BYTE
+        PER_WORD: tl.constexpr = 8 * WORD_BYTES // BITS  # codes in one packed word
+        GROUP_WORDS: tl.constexpr = GROUP // PER_WORD
         GROUPS: tl.constexpr = DIM // GROUP
         LEVELS: tl.constexpr = (1 << BITS) - 1
         g = tl.arange(0, GROUPS)
-        b = tl.arange(0, GROUP_BYTES)
-        j = tl.arange(0, PER_BYTE)
-        index = g[:, None, None] * GROUP + b[None, :, None] * PER_BYTE + j[None, None, :]
+        b = tl.arange(0, GROUP_WORDS)
+        j = tl.arange(0, PER_WORD)
+        index = g[:, None, None] * GROUP + b[None, :, None] * PER_WORD + j[None, None, :]
         x = tl.load(x_ptr + index).to(tl.float32)
         lo = tl.minimum(tl.min(tl.min(x, axis=2), axis=1), 0.0)
         hi = tl.maximum(tl.max(tl.max(x, axis=2), axis=1), 0.0)
@@ -142,10 +143,11 @@ if triton is not None:
         s3 = scale[:, None, None]
         codes = _rne(tl.math.div_rn(x, s3)) + zero[:, None, None]
         codes = tl.minimum(tl.maximum(codes, 0.0), LEVELS * 1.0).to(tl.int32)
-        packed = tl.sum(codes << (j[None, None, :] * BITS), axis=2)  # (GROUPS, GROUP_BYTES)
+        packed = tl.sum(codes << (j[None, None, :] * BITS), axis=2)  # (GROUPS, GROUP_WORDS)
         row = page_base + slot * (DIM * BITS // 8)
-        offs = g[:, None] * GROUP_BYTES + b[None, :]
-        tl.store(out_ptr + row + CODES_AT + offs, packed.to(tl.uint8))
+        offs = (g[:, None] * GROUP_WORDS + b[None, :]) * WORD_BYTES
+        for k in tl.static_range(WORD_BYTES):  # the word's bytes, little-endian
+            tl.store(out_ptr + row + CODES_AT + offs + k, ((packed >> (8 * k)) & 0xFF).to(tl.uint8))
         meta_row = page_base + slot * (GROUPS * META_BYTES) + SCALES_AT + g * META_BYTES
         word = bits32 >> (32 - 8 * META_BYTES)  # the stored bytes, little-endian
         for k in tl.static_range(META_BYTES):
@@ -163,12 +165,14 @@ if triton is not None:
         GROUP: tl.constexpr,
         D_C: tl.constexpr,
         C_BITS: tl.constexpr,
+        C_WORD: tl.constexpr,
         C_META: tl.constexpr,
         C_CODES: tl.constexpr,
         C_SCALES: tl.constexpr,
         C_ZEROS: tl.constexpr,
         D_R: tl.constexpr,
         R_BITS: tl.constexpr,
+        R_WORD: tl.constexpr,
         R_META: tl.constexpr,
         R_CODES: tl.constexpr,
         R_SCALES: tl.constexpr,
@@ -185,6 +189,7 @@ if triton is not None:
             D_C,
             GROUP,
             C_BITS,
+            C_WORD,
             C_META,
             C_CODES,
             C_SCALES,
@@ -198,6 +203,7 @@ if triton is not None:
             D_R,
             GROUP,
             R_BITS,
+            R_WORD,
             R_META,
             R_CODES,
             R_SCALES,

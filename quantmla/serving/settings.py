@@ -49,7 +49,7 @@ class ServeSettings:
                     raise ConfigError(
                         f"quantmla.precision ({name} bits)",
                         self.precision,
-                        f"precisions whose both paths pack into bytes: bits in {PACKABLE_BITS} "
+                        f"precisions whose both paths the packed cache holds: bits in {PACKABLE_BITS} "
                         "(e.g. c4r4, c2r4, c8r8), or bf16",
                     )
         for name in ("sink", "recent"):

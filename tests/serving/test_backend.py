@@ -120,8 +120,8 @@ def test_refusals_are_one_line_before_vllm_starts(exports, tmp_path):
     with pytest.raises(DataNotFoundError, match="no quantmla.json"):
         build_llm(no_manifest)
     assert resolve_settings(no_manifest, {"precision": "c4r4"}).precision == "c4r4"  # stated: RTN
-    with pytest.raises(ConfigError, match="precision.*c3r4.*pack into bytes"):
-        build_llm(model, precision="c3r4")
+    with pytest.raises(ConfigError, match="precision.*c5r4.*bits in"):
+        build_llm(model, precision="c5r4")
     with pytest.raises(QuantMLAError, match="smaller than one request's BF16 protection"):
         build_llm(model, kv_cache_memory_bytes=100_000)
     wide = tmp_path / "wide"
