@@ -14,6 +14,7 @@ import hashlib
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from quantmla.allocation import Allocation, best_allocations, format_bytes, predicted_errors
 from quantmla.attention import attention_output, protected_mask
@@ -268,6 +269,7 @@ def joint_kl(model, adapter, modules, results: dict, allocations, windows, batch
         current[layer] = key
 
     kl, batches = np.zeros(len(allocations)), windows.split(batch_size)
+    bar = tqdm(total=len(batches) * len(allocations), desc="joint check", leave=False)
     try:
         for batch in batches:
             batch = batch.to(device)
@@ -280,7 +282,9 @@ def joint_kl(model, adapter, modules, results: dict, allocations, windows, batch
                     hold(layer, name)
                 set_policy(model, precision=list(precisions))
                 kl[i] += _kl(reference, model(batch).logits)
+                bar.update()
     finally:
+        bar.close()
         for layer in range(len(modules)):
             hold(layer, None)
         set_policy(model, precision="bf16")

@@ -99,6 +99,14 @@ def test_pairs_and_rank_agreement():
     pairs = [(r[1], r[2]) for r in rows[1:] if r[1].startswith("mixed")]
     # the mixed cache at 152 B against the cheapest uniform format above its budget (no 152 B one)
     assert pairs == [("mixed@152 (R × NMSE), 152 B", "c4r4, 184 B")]
+    # then the compared uniform cache against BF16: its headroom (+1, +1, +0.5 % of log ppl)
+    headroom = [r for r in rows[1:] if r[2] == "bf16, 640 B"]
+    assert [r[1] for r in headroom] == ["c4r4, 184 B"]
+    assert headroom[0][3].startswith(f"{100 * np.mean([0.01, 0.01, 0.005]):+.3f} ± ")
+    # a joint-checked allocation is its own row
+    joint = record("mixed", nll=(1.0, 1.2, 0.8), layers=["c4r4", "c2r4"], budget=152)
+    joint["config"]["precision"]["joint_top"] = 16
+    assert "mixed@152 (R × NMSE, joint 16)" in {p.cache for p in frontier.points([joint])}
     assert rows[-1][2] == "Spearman 1.000" and rows[-1][3] == "3 caches"
 
 
