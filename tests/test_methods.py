@@ -162,3 +162,35 @@ def test_quarot_and_equivalence_check(ctx):
     set_policy(model, precision="bf16")
     with pytest.raises(FusionEquivalenceError, match="layer 1"):
         probe.check(model, modules)
+
+
+def test_artifacts_are_keyed_by_the_fit_settings(tmp_path):
+    """Two runs that differ only in a fit setting (steps, learning rates, α grid, …) never share
+    an artifact; capture batching, which does not change the fit, does."""
+    from types import SimpleNamespace
+
+    from quantmla.methods.prepare import artifact_metadata
+    from quantmla.models.tiny import tiny_mla_v2_config
+    from quantmla.spec import QuantizerSpec
+    from quantmla.tracking.store import stable_hash
+    from tests.conftest import run_config, tiny_job
+
+    model = SimpleNamespace(config=tiny_mla_v2_config(vocab_size=64, num_layers=2))
+    specs = [QuantizerSpec.from_precision("c2r4")] * 2
+
+    def key(*overrides):
+        cfg = run_config(*tiny_job(tmp_path, "method=quantmla", *overrides))
+        return stable_hash(artifact_metadata(cfg, model, specs, "data", "w"), 16)
+
+    base = key()
+    changed = [
+        key(o)
+        for o in (
+            "method.calibration.steps=7",
+            "method.calibration.lr_rotation=0.5",
+            "method.calibration.alphas=[0.5]",
+            "method.calibration.select_every=3",
+        )
+    ]
+    assert len({base, *changed}) == 5
+    assert key("method.calibration.capture_batch_size=1") == base

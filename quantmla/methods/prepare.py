@@ -1,13 +1,14 @@
 """`prepare_method` returns a `MethodResult` (or None for RTN). For calibrated methods it hashes the
 calibration token ids, looks for a saved artifact with matching metadata (model, precision,
-quantizer, method, seed, calibration data) and loads it; only when there is none does it capture
-the BF16 teacher and calibrate. `apply_method` fuses the result. Calibration always sees the
+quantizer, method, seed, calibration data, fit settings) and loads it; only when there is none
+does it capture the BF16 teacher and calibrate. `apply_method` fuses the result. Calibration always sees the
 unquantized, unfused model.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 
 import torch
 
@@ -34,6 +35,10 @@ def calibration_sequences(cfg, paths, tokenizer) -> tuple[torch.Tensor, int]:
     return torch.cat([split.calibration, split.heldout]), split.calibration.shape[0]
 
 
+# the calibration settings that shape a fit (the data's are in its hash; batching for capture is not)
+FIT_SETTINGS = ("alphas", "steps", "batch_size", "lr_rotation", "lr_scale", "select_every")
+
+
 def artifact_metadata(
     cfg, model, specs: list[QuantizerSpec], data_hash: str, weights
 ) -> dict[str, str]:
@@ -50,6 +55,11 @@ def artifact_metadata(
         "method": cfg.method.name,
         "seed": str(cfg.seed),
         "calibration_data": data_hash,
+        "calibration": json.dumps(
+            {k: getattr(cfg.method.calibration, k) for k in FIT_SETTINGS},
+            sort_keys=True,
+            default=list,  # alphas: an OmegaConf list
+        ),
     }
 
 
