@@ -354,12 +354,17 @@ def allocate_for_job(job, model, adapter, modules, tokenizer) -> tuple[Allocatio
         print(
             f"[quantmla] mixed: joint check of the {len(best)} best allocations ({p.allocation_error})"
         )
-        kl = joint_kl(model, adapter, modules, results, [a.precisions for a in best], windows)
-        allocation = best[int(np.argmin(kl))]
+        # and for reference the uniform candidates that spend the budget best (C2R4 at its bytes)
+        spend = sizes[sizes <= p.budget_bytes].max()
+        uniform = [name for name, size in zip(candidates, sizes) if size == spend]
+        shortlist = [a.precisions for a in best] + [(name,) * len(modules) for name in uniform]
+        kl = joint_kl(model, adapter, modules, results, shortlist, windows)
+        allocation = best[int(np.argmin(kl[: len(best)]))]
         report.update(
             joint_allocations=[list(a.precisions) for a in best],
             joint_predicted=[a.predicted for a in best],
-            joint_kl=kl.tolist(),
+            joint_kl=kl[: len(best)].tolist(),
+            joint_uniform={name: float(k) for name, k in zip(uniform, kl[len(best) :])},
         )
     print(
         f"[quantmla] mixed allocation at {p.budget_bytes:g} B/token: {', '.join(allocation.precisions)} "

@@ -98,6 +98,11 @@ def test_mixed_record_and_single_format_hashes(sensitivity_store):
     assert len(shortlist) == len(set(map(tuple, shortlist))) == 3
     assert m["allocation/joint_predicted"] == sorted(m["allocation/joint_predicted"])
     assert m["allocation/precisions"] == shortlist[int(np.argmin(kl))] and min(kl) > 0
+    # beside it, the uniform candidate that spends the budget best (C2R4: C4R4 is over 96 B)
+    assert (
+        list(m["allocation/joint_uniform"]) == ["c2r4"]
+        and m["allocation/joint_uniform"]["c2r4"] > 0
+    )
     single = run(run_config(*tiny_job(sensitivity_store, "precision=c4r4")))
     # a single-format record's precision block is what it was before mixed existed (same hash)
     assert set(single["config"]["precision"]) == {"name", "sink", "recent", "group_size"}
