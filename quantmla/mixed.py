@@ -248,21 +248,25 @@ def joint_kl(model, adapter, modules, results: dict, allocations, windows, batch
     """Per allocation (one format per layer), the next-token KL(BF16 ‖ quantized) per token on
     `windows` with every layer cached at its own format and the job's transforms at that format
     fused (`results`: format → method result or None): the allocation's joint error, which the
-    per-layer error models only add up. The model is left as it came (unfused, BF16)."""
+    per-layer error models only add up. The model is left as it came (unfused, BF16); a layer's
+    unfused weights are copied once, the first time a transform is fused into it."""
     from quantmla.methods.base import fuse_layer
     from quantmla.simulator import layer_patch, set_policy
 
     device = next(model.parameters()).device
-    originals = [{k: v.clone() for k, v in m.state_dict().items()} for m in modules]
+    originals = [None] * len(modules)  # each layer's unfused state, once it gets fused
     current = [None] * len(modules)  # the format whose transforms each layer holds now
 
-    def hold(layer: int, name: str) -> None:
+    def hold(layer: int, name: str | None) -> None:
         result = results.get(name)
         key = None if result is None else name
         if current[layer] == key:
             return
         module = modules[layer]
-        module.load_state_dict(originals[layer])
+        if originals[layer] is None:
+            originals[layer] = {k: v.clone() for k, v in module.state_dict().items()}
+        else:
+            module.load_state_dict(originals[layer])
         layer_patch(module).rope_online = None
         if result is not None:
             fuse_layer(module, adapter, result.layers[layer], result.rope_online)
