@@ -44,34 +44,10 @@ if triton is not None:
         page = tl.program_id(0).to(tl.int64)
         base = page * PAGE_BYTES
         rows = tl.arange(0, PAGE)
-        c = _dequant_tile(
-            store_ptr,
-            base,
-            rows,
-            D_C,
-            GROUP,
-            C_BITS,
-            C_WORD,
-            C_META,
-            C_CODES,
-            C_SCALES,
-            C_ZEROS,
-            PAGE,
-        )
-        k = _dequant_tile(
-            store_ptr,
-            base,
-            rows,
-            D_R,
-            GROUP,
-            R_BITS,
-            R_WORD,
-            R_META,
-            R_CODES,
-            R_SCALES,
-            R_ZEROS,
-            PAGE,
-        )
+        c = _dequant_tile(store_ptr, base, rows, D_C, GROUP, C_BITS, C_WORD, C_META,
+                          C_CODES, C_SCALES, C_ZEROS, PAGE)  # fmt: skip
+        k = _dequant_tile(store_ptr, base, rows, D_R, GROUP, R_BITS, R_WORD, R_META,
+                          R_CODES, R_SCALES, R_ZEROS, PAGE)  # fmt: skip
         row_at = (page * PAGE + rows[:, None]) * (D_C + D_R)
         tl.store(out_ptr + row_at + tl.arange(0, D_C)[None, :], c.to(out_ptr.dtype.element_ty))
         tl.store(
