@@ -128,13 +128,24 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return ((word.unsqueeze(-1) >> to_bytes) & 0xFF).to(torch.uint8).flatten(-2)
 
 
+def packed_words(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The packed words along the last axis, each from its little-endian bytes: the bytes
+    themselves (uint8) where a word is one byte, else int32."""
+    word_bytes, _ = pack_word(bits)
+    if word_bytes == 1:
+        return packed
+    b = packed.reshape(*packed.shape[:-1], -1, word_bytes).to(torch.int32)
+    word = b[..., 0]
+    for k in range(1, word_bytes):
+        word = word | b[..., k] << (8 * k)
+    return word
+
+
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of `pack`: uint8 codes, the last axis 8/bits times longer."""
-    word_bytes, _ = pack_word(bits)
-    b = packed.to(torch.int32).reshape(*packed.shape[:-1], -1, word_bytes)
-    from_bytes = torch.arange(0, 8 * word_bytes, 8, dtype=torch.int32, device=packed.device)
-    word = (b << from_bytes).sum(dim=-1, dtype=torch.int32)
-    shifts = torch.arange(0, 8 * word_bytes, bits, dtype=torch.int32, device=packed.device)
+    word = packed_words(packed, bits)
+    _, per_word = pack_word(bits)
+    shifts = torch.arange(0, per_word * bits, bits, dtype=word.dtype, device=packed.device)
     return ((word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).to(torch.uint8).flatten(-2)
 
 

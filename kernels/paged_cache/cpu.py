@@ -16,7 +16,7 @@ import math
 import torch
 
 from quantmla.memory import CacheLayout
-from quantmla.quant import pack_word, unpack
+from quantmla.quant import pack_word, packed_words, unpack
 from quantmla_kernels.paged_cache.layout import check_packable, paths
 
 
@@ -70,7 +70,7 @@ class _PackedPath:
     def __init__(self, pages, layout: CacheLayout, path, keep):
         b, n_pages, _ = pages.shape
         t, g = layout.page_tokens, layout.spec.group_size
-        word_bytes, self.per_word = pack_word(path.bits)
+        _, self.per_word = pack_word(path.bits)
         self.path, self.groups = path, path.dim // g
         self.group_words, tokens = g // self.per_word, n_pages * t
         sections = layout.sections()
@@ -79,12 +79,8 @@ class _PackedPath:
             start, size = sections[f"{path.name}_{kind}"]
             return pages[..., start : start + size].reshape(b, tokens, width)
 
-        packed = section("codes", path.row_bytes).view(b, tokens, self.groups, -1, word_bytes)
-        words = packed[..., 0]  # a word is one byte but for 3- and 6-bit codes (three)
-        if word_bytes > 1:
-            words = words.to(torch.int32)
-            for k in range(1, word_bytes):
-                words = words | packed[..., k].to(torch.int32) << (8 * k)
+        packed = section("codes", path.row_bytes).view(b, tokens, self.groups, -1)
+        words = packed_words(packed, path.bits)  # (B, T, G, group words)
         codes = torch.empty(b, self.groups, tokens, self.per_word, self.group_words)
         words, mask = words.permute(0, 2, 1, 3), (1 << path.bits) - 1
         for m in range(self.per_word):  # -> float32, straight into the grouped layout
