@@ -113,3 +113,23 @@ def test_the_backends_triton_and_torch_paths_agree_on_engine_tensors(precision):
         k: decode_latent_rows(q, qr, 0.1, table, lens, rows, 128, k) for k in ("torch", "triton")
     }
     torch.testing.assert_close(got["triton"], got["torch"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["c4r4", "c2r4", "c3r1"])
+def test_context_reads_triton_gather_equals_the_torch_path_and_the_reader(precision):
+    """A chunked prefill's context read (positions [start, end) of one request, not page-aligned)
+    through the Triton gather into a workspace (interpreted on CPU) = the torch path = the
+    reference reader's dequantized tokens."""
+    from quantmla.serving.paged_attention import context_reader
+
+    lay = small_layout(precision, page_tokens=16)
+    pool = filled_pool(lay, [150], seed=5)
+    want_c, want_k = read_tokens(pool, 0)
+    table = pool.request(0).page_table().to(torch.int32)
+    workspace = torch.empty(80, lay.d_c + lay.d_r, dtype=torch.float32)
+    for kernel in ("torch", "triton"):
+        read = context_reader(pool.storage, lay, table, workspace, kernel)
+        for start, end in ((0, 16), (5, 70), (33, 97), (97, 150), (149, 150)):
+            c, k = read(start, end)
+            torch.testing.assert_close(c, want_c[start:end], rtol=0, atol=0)
+            torch.testing.assert_close(k, want_k[start:end], rtol=0, atol=0)

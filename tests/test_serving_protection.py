@@ -7,7 +7,9 @@ import torch
 from quantmla.errors import ConfigError, QuantMLAError
 from quantmla.serving.protection import ProtectionLostError, ProtectionTable
 from quantmla.serving.settings import ServeSettings, predicted_capacity, protection_budget
-from quantmla_kernels.paged_cache.reference import protected_positions
+from quantmla.quant import qdq_content, qdq_rope
+from quantmla.spec import QuantizerSpec
+from quantmla_kernels.paged_cache.reference import kept_in_protection, protected_positions
 
 
 def test_rows_follow_the_pool_rule_through_prefill_and_decode():
@@ -89,24 +91,9 @@ def test_settings_come_from_the_manifest_and_stated_fields_override_it(tmp_path)
         resolve_settings(tmp_path, {"recnet": 1})
 
 
-@pytest.mark.parametrize(
-    ("n", "sink", "recent"), [(700, 4, 128), (700, 0, 0), (600, 4, 700), (520, 3, 1)]
-)
-def test_prefill_equals_the_per_query_rule_in_float64(n, sink, recent):
-    """Chunked prefill (each chunk gathering only the keys it reads in each copy) against the rule
-    written out per query: j ≤ i read exact iff j < sink or i − j < recent, dequantized otherwise."""
-    from quantmla.quant import qdq_content, qdq_rope
-    from quantmla.serving.paged_attention import prefill_attention
-    from quantmla.spec import QuantizerSpec
-
-    g = torch.Generator().manual_seed(n + sink + recent)
-    heads, d_c, d_r, d_nope, d_v = 2, 64, 64, 16, 8
-    q = torch.randn(n, heads, d_nope + d_r, generator=g, dtype=torch.float64)
-    c = torch.randn(n, d_c, generator=g, dtype=torch.float64)
-    k_r = torch.randn(n, d_r, generator=g, dtype=torch.float64)
-    w = torch.randn(heads * (d_nope + d_v), d_c, generator=g, dtype=torch.float64) / 8
-    spec = QuantizerSpec.from_precision("c2r4")
-    out = prefill_attention(q, c, k_r, lambda x: x @ w.T, spec, sink, recent, d_nope, d_v, 0.1)
+def _rule_reference(q, c, k_r, w, spec, sink, recent, d_nope, d_v, scaling):
+    """float64: query i reads token j ≤ i exact iff j < sink or i − j < recent, else dequantized."""
+    n, heads, d_r = q.shape[0], q.shape[1], k_r.shape[1]
 
     def kv(latent, rope):
         k_nope, v = (latent @ w.T).view(n, heads, d_nope + d_v).split([d_nope, d_v], dim=-1)
@@ -114,12 +101,98 @@ def test_prefill_equals_the_per_query_rule_in_float64(n, sink, recent):
 
     (k, v), (k_hat, v_hat) = kv(c, k_r), kv(qdq_content(spec, c), qdq_rope(spec, k_r))
     i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
-    exact = ((j < sink) | (i - j < recent))[..., None, None]
+    exact = ((j < sink) | (i - j < recent) | (not spec.quantized))[..., None, None]
     keys, values = (
         torch.where(exact, k[None], k_hat[None]),
         torch.where(exact, v[None], v_hat[None]),
     )
-    scores = torch.einsum("ihd,ijhd->ihj", q, keys) * 0.1
+    scores = torch.einsum("ihd,ijhd->ihj", q, keys) * scaling
     scores = scores.masked_fill((j > i)[:, None, :], float("-inf"))
-    expected = torch.einsum("ihj,ijhd->ihd", scores.softmax(-1), values).reshape(n, heads * d_v)
+    return torch.einsum("ihj,ijhd->ihd", scores.softmax(-1), values).reshape(n, heads * d_v)
+
+
+def _random_prefill(n, seed, heads=2, d_c=64, d_r=64, d_nope=16, d_v=8):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, heads, d_nope + d_r, generator=g, dtype=torch.float64)
+    c = torch.randn(n, d_c, generator=g, dtype=torch.float64)
+    k_r = torch.randn(n, d_r, generator=g, dtype=torch.float64)
+    w = torch.randn(heads * (d_nope + d_v), d_c, generator=g, dtype=torch.float64) / 8
+    return q, c, k_r, w, d_nope, d_v
+
+
+@pytest.mark.parametrize(
+    ("n", "sink", "recent"), [(700, 4, 128), (700, 0, 0), (600, 4, 700), (520, 3, 1)]
+)
+def test_prefill_equals_the_per_query_rule_in_float64(n, sink, recent):
+    """A whole prompt (blocks of queries gathering only the keys they read in each copy) against
+    the rule written out per query."""
+    from quantmla.serving.paged_attention import prefill_attention
+
+    q, c, k_r, w, d_nope, d_v = _random_prefill(n, n + sink + recent)
+    spec = QuantizerSpec.from_precision("c2r4")
+    out = prefill_attention(q, c, k_r, lambda x: x @ w.T, spec, sink, recent, d_nope, d_v, 0.1)
+    expected = _rule_reference(q, c, k_r, w, spec, sink, recent, d_nope, d_v, 0.1)
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    ("precision", "chunks", "sink", "recent", "workspace"),
+    [
+        ("c4r4", [16] * 40, 4, 128, 64),  # chunks far smaller than the window
+        ("c2r4", [48, 48, 100, 300, 144], 4, 128, 96),  # not block-aligned, mixed sizes
+        ("c2r4", [100, 540], 4, 128, 1000),  # one context read
+        ("c4r4", [3, 1, 5, 631], 4, 16, 32),  # chunks inside the sink
+        ("c2r4", [200, 440], 0, 0, 50),  # no protection
+        ("bf16", [48, 100, 492], 4, 128, 64),  # BF16 mode: the context is its own rows
+    ],
+)
+def test_chunked_prefill_equals_the_whole_prompt_rule(precision, chunks, sink, recent, workspace):
+    """Chunked prefill: each chunk over its own tokens + the context's protection rows (the sinks
+    and the last `recent` before it) + its dequantized pages read `workspace` tokens at a time,
+    LSE-merged — equals the per-query rule over the whole prompt in float64."""
+    from quantmla.serving.paged_attention import PrefillContext, prefill_attention
+
+    n = sum(chunks)
+    q, c, k_r, w, d_nope, d_v = _random_prefill(n, n + len(chunks))
+    spec = QuantizerSpec.from_precision(precision)
+    c_hat, k_hat = (qdq_content(spec, c), qdq_rope(spec, k_r)) if spec.quantized else (c, k_r)
+    reads = []
+
+    def read(a, b):
+        reads.append(b - a)
+        return c_hat[a:b], k_hat[a:b]
+
+    outs, start = [], 0
+    for size in chunks:
+        pos = torch.arange(start)
+        held = pos[kept_in_protection(pos, start, sink, recent)]
+        rows = torch.cat([c, k_r], dim=-1)[held]
+        context = PrefillContext(start, held, rows, read, workspace)
+        end = start + size
+        outs.append(prefill_attention(
+            q[start:end], c[start:end], k_r[start:end], lambda x: x @ w.T, spec, sink, recent,
+            d_nope, d_v, 0.1, context=context,
+        ))  # fmt: skip
+        start = end
+    expected = _rule_reference(q, c, k_r, w, spec, sink, recent, d_nope, d_v, 0.1)
+    torch.testing.assert_close(torch.cat(outs), expected, rtol=1e-10, atol=1e-10)
+    assert reads and max(reads) <= workspace  # the context went through the bounded reader
+
+
+def test_merge_states_is_the_softmax_over_the_union():
+    from quantmla.serving.paged_attention import _attend, merge_states
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 5, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.rand(5, 5, generator=g) > 0.3
+    mask[:, 0] = True
+    whole = _attend(q, k, v, mask, 0.3)
+    a, b = (
+        _attend(q, k[:, :2], v[:, :2], mask[:, :2], 0.3),
+        _attend(q, k[:, 2:], v[:, 2:], mask[:, 2:], 0.3),
+    )
+    for got, want in zip(merge_states(*a, *b), whole):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    none = _attend(q, k, v, torch.zeros(5, 5, dtype=torch.bool), 0.3)  # a part nobody reads
+    for got, want in zip(merge_states(*whole, *none), whole):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

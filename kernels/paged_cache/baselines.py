@@ -5,54 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from quantmla_kernels.paged_cache.decode import _dequant_tile, launch_decode
-from quantmla_kernels.paged_cache.layout import layout_constants
+from quantmla_kernels.paged_cache.decode import launch_decode
+from quantmla_kernels.paged_cache.gather import gather_pages
 from quantmla_kernels.paged_cache.pool import PagePool
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
-
-
-if triton is not None:
-
-    @triton.jit
-    def _dequant_pages_kernel(
-        store_ptr,
-        out_ptr,
-        D_C: tl.constexpr,
-        D_R: tl.constexpr,
-        GROUP: tl.constexpr,
-        PAGE_BYTES: tl.constexpr,
-        C_BITS: tl.constexpr,
-        C_WORD: tl.constexpr,
-        C_META: tl.constexpr,
-        C_CODES: tl.constexpr,
-        C_SCALES: tl.constexpr,
-        C_ZEROS: tl.constexpr,
-        R_BITS: tl.constexpr,
-        R_WORD: tl.constexpr,
-        R_META: tl.constexpr,
-        R_CODES: tl.constexpr,
-        R_SCALES: tl.constexpr,
-        R_ZEROS: tl.constexpr,
-        PAGE: tl.constexpr,
-    ):
-        """Baseline: one packed page → BF16 rows [ĉ | k̂_R] of a workspace."""
-        page = tl.program_id(0).to(tl.int64)
-        base = page * PAGE_BYTES
-        rows = tl.arange(0, PAGE)
-        c = _dequant_tile(store_ptr, base, rows, D_C, GROUP, C_BITS, C_WORD, C_META,
-                          C_CODES, C_SCALES, C_ZEROS, PAGE)  # fmt: skip
-        k = _dequant_tile(store_ptr, base, rows, D_R, GROUP, R_BITS, R_WORD, R_META,
-                          R_CODES, R_SCALES, R_ZEROS, PAGE)  # fmt: skip
-        row_at = (page * PAGE + rows[:, None]) * (D_C + D_R)
-        tl.store(out_ptr + row_at + tl.arange(0, D_C)[None, :], c.to(out_ptr.dtype.element_ty))
-        tl.store(
-            out_ptr + row_at + D_C + tl.arange(0, D_R)[None, :], k.to(out_ptr.dtype.element_ty)
-        )
 
 
 def dequantize_pages(
@@ -69,9 +24,8 @@ def dequantize_pages(
             dtype=dtype,
             device=pool.device,
         )
-    _dequant_pages_kernel[(pool.n_pages,)](
-        pool.storage, out, **layout_constants(layout), PAGE=layout.page_tokens
-    )
+    pages = torch.arange(pool.n_pages, device=pool.device)
+    gather_pages(pool.storage, layout, pages, out.view(-1, layout.d_c + layout.d_r))
     return out
 
 

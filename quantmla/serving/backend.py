@@ -8,8 +8,9 @@ memory model's, given to vLLM through `customize_spec`), the writer packs every 
 sink + recent rows live in a per-layer `ProtectionTable` whose bytes come out of vLLM's explicit
 KV budget, prefill attends over the quantized history, decode reads pages + protection rows.
 BF16 mode (`additional_config={"quantmla": {"precision": "bf16"}}`) is the same backend over
-BF16 row pages. Chunked prefill, prefix caching and speculative decoding are refused at start-up:
-their context paths read earlier tokens through vLLM's own gather of BF16 rows.
+BF16 row pages. Chunked prefill reads a chunk's context from the pages and the protection rows
+(`forward_mha`); prefix caching (exact only with the BF16 rows of every cached prefix's tail)
+and speculative decoding are refused (the platform plug-in switches prefix caching off).
 """
 
 from __future__ import annotations
@@ -25,13 +26,17 @@ from vllm.v1.kv_cache_interface import MLAAttentionSpec
 from quantmla.errors import QuantMLAError
 from quantmla.memory import CacheLayout
 from quantmla.serving.paged_attention import (
+    PrefillContext,
+    context_reader,
     decode_latent,
     decode_latent_rows,
     page_storage,
     prefill_attention,
+    row_reader,
     write_packed,
     write_rows,
 )
+from quantmla.serving.platform import PREFIX_CACHING_REFUSED, TAKEN
 from quantmla.serving.protection import ProtectionTable
 from quantmla.serving.settings import (
     SERVABLE_WIDTHS,
@@ -42,6 +47,7 @@ from quantmla.serving.settings import (
 )
 
 BLOCK_SIZES = (16, 32, 64)  # powers of two: the Triton decode tiles one page
+CONTEXT_CHUNK = 8192  # context tokens per read when vLLM gives no workspace
 
 
 @dataclass(frozen=True)
@@ -85,12 +91,8 @@ def start_up_checks(config) -> Served:
     extra = (config.additional_config or {}).get("quantmla")
     settings = resolve_settings(config.model_config.model, extra)
     sched, cache = config.scheduler_config, config.cache_config
-    if sched.enable_chunked_prefill or cache.enable_prefix_caching:
-        raise QuantMLAError(
-            "the QuantMLA backend serves whole-prompt prefills: pass enable_chunked_prefill=False "
-            "and enable_prefix_caching=False (vLLM's chunked-context path gathers earlier tokens "
-            "as BF16 rows, which packed pages are not)"
-        )
+    if cache.enable_prefix_caching:
+        raise QuantMLAError(PREFIX_CACHING_REFUSED)
     if config.speculative_config is not None:
         raise QuantMLAError(
             "the QuantMLA backend decodes one token per step: no speculative decoding"
@@ -102,7 +104,12 @@ def start_up_checks(config) -> Served:
         settings, d_c, d_r, layers, cache.block_size, sched.max_num_seqs,
         torch.device(config.device_config.device),
     )  # fmt: skip
-    if cache.kv_cache_memory_bytes is not None and getattr(cache, _TAKEN, None) is None:
+    taken_by_platform = TAKEN in (config.additional_config or {})
+    if (
+        cache.kv_cache_memory_bytes is not None
+        and not taken_by_platform
+        and getattr(cache, _TAKEN, None) is None
+    ):
         taken = protection_budget(
             settings, d_c, d_r, layers, sched.max_num_seqs, cache.kv_cache_memory_bytes
         )
@@ -209,30 +216,57 @@ class QuantMLAImpl(CPUMLAImpl):
         self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
         output_scale=None,
     ):  # fmt: skip
+        """Each prefill request's chunk (vLLM's chunked prefill: context = seq_len − query_len
+        tokens already cached) over its own tokens, its protection rows and its pages."""
         prefill = attn_metadata.prefill
-        if prefill.chunked_context is not None:
-            raise QuantMLAError("a prefill with cached context reached the QuantMLA backend")
         starts = prefill.query_start_loc.tolist()
+        chunked = prefill.chunked_context
+        contexts = chunked.context_lens_list if chunked is not None else [0] * (len(starts) - 1)
+        workspace = chunked.workspace if chunked is not None else None
         k_r = k_pe.reshape(k_pe.shape[0], -1)
         slots = None
         if self.protection is not None:
             slots = self.protection.assign(
-                prefill.block_table[:, 0].tolist(), [0] * (len(starts) - 1),
-                self._batch_blocks(attn_metadata),
-            )  # fmt: skip
+                prefill.block_table[:, 0].tolist(), contexts, self._batch_blocks(attn_metadata)
+            )
         s = self.served.settings
 
         def kv_b_proj(x):
             return self.kv_b_proj(x)[0]
 
         for r, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
-            if slots is not None:
+            context = None
+            if contexts[r]:
+                context = self._context(
+                    contexts[r], prefill.block_table[r], kv_c_and_k_pe_cache, workspace,
+                    None if slots is None else int(slots[r]),
+                )  # fmt: skip
+            if slots is not None:  # after the context's rows were copied out
                 rows = torch.cat([kv_c_normed[a:b], k_r[a:b]], dim=-1)
-                self.protection.write(int(slots[r]), 0, rows)
+                self.protection.write(int(slots[r]), contexts[r], rows)
             output[a:b] = prefill_attention(
                 q[a:b], kv_c_normed[a:b], k_r[a:b], kv_b_proj, s.spec, s.sink, s.recent,
-                self.qk_nope_head_dim, self.v_head_dim, self.scale,
+                self.qk_nope_head_dim, self.v_head_dim, self.scale, context=context,
             ).to(output.dtype)  # fmt: skip
+
+    def _context(self, tokens, table_row, kv_cache, workspace, slot) -> PrefillContext:
+        """The cached tokens before a prefill chunk: protection rows + pages, read in chunks of
+        vLLM's context workspace (less two pages, for unaligned reads)."""
+        page = self.served.block_size
+        limit = workspace.shape[0] if workspace is not None else CONTEXT_CHUNK
+        chunk = max(page, (limit - 2 * page) // page * page)
+        width = self.served.d_c + self.served.d_r
+        if slot is None:  # BF16 mode: every context row is exact, in the engine's pages
+            read = row_reader(kv_cache, table_row, self.served.d_c)
+            return PrefillContext(tokens, torch.empty(0), torch.empty(0, width), read, chunk)
+        if workspace is None or workspace.shape[-1] != width:
+            workspace = torch.empty(chunk + 2 * page, width, device=kv_cache.device)
+        read = context_reader(
+            page_storage(kv_cache, self.layout), self.layout, table_row, workspace,
+            self.served.kernel,
+        )  # fmt: skip
+        positions, rows = self.protection.held(slot)
+        return PrefillContext(tokens, positions, rows, read, chunk)
 
     # -- decode ----------------------------------------------------------------------------------
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):

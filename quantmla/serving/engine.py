@@ -12,7 +12,8 @@ import json
 import os
 from pathlib import Path
 
-from quantmla.errors import DataNotFoundError
+from quantmla.errors import DataNotFoundError, QuantMLAError
+from quantmla.serving.platform import PREFIX_CACHING_REFUSED
 from quantmla.serving.settings import (
     ServeSettings,
     check_geometry,
@@ -92,14 +93,14 @@ def engine_args(
         max_model_len=max_model_len,
         block_size=block_size,
         kv_cache_memory_bytes=kv_cache_memory_bytes,
-        enable_chunked_prefill=False,
-        enable_prefix_caching=False,
         additional_config={"quantmla": config},
     )
     if _cpu():
         args.update(enforce_eager=True, compilation_config=EAGER_COMPILATION)
     else:
         args.update(attention_backend="CUSTOM")
+    if extra.get("enable_prefix_caching"):
+        raise QuantMLAError(PREFIX_CACHING_REFUSED)
     args.update(extra)
     return args
 

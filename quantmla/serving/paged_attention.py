@@ -2,23 +2,26 @@
 mapping, prefill with a quantized history, decode over block tables.
 
 Prefill attends as the simulator does (docs/simulator.md): query i reads token j unquantized iff
-j < sink or i − j < recent, the dequantized copy otherwise — the two copies expanded through
-`kv_b_proj` and one softmax over both with complementary masks, in chunks of queries so the
-score block stays small at long prompts; a chunk gathers only the keys one of its queries reads
-in each copy (about n + sink + recent + chunk instead of 2n). Decode reads packed pages and the request's protection
-rows with the Triton kernels on CUDA and the vectorized torch path elsewhere; both return the
-softmax-weighted latent, to which the engine applies W_UV itself.
+j < sink or i − j < recent, the dequantized copy otherwise. A prefill chunk (vLLM's chunked
+prefill: any chunk size, any boundary) attends over its own tokens (both copies expanded through
+`kv_b_proj`), the context's BF16 protection rows and the context's dequantized pages, read in
+workspace-sized chunks; each part under the rule's mask, LSE-merged (`merge_states`), blocks of
+queries gathering only the keys one of them reads. Decode reads packed pages and the request's
+protection rows with the Triton kernels on CUDA and the vectorized torch path elsewhere; both
+return the softmax-weighted latent, to which the engine applies W_UV itself.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
 
 from quantmla.memory import CacheLayout
 from quantmla.quant import qdq_content, qdq_rope
 from quantmla.spec import QuantizerSpec
-from quantmla_kernels.paged_cache.cpu import decode_packed, decode_rows
+from quantmla_kernels.paged_cache.cpu import decode_packed, decode_rows, dequantize_pages
 from quantmla_kernels.paged_cache.writer import write_slots
 
 PREFILL_CHUNK = 512  # queries per score block in prefill
@@ -57,45 +60,141 @@ def write_rows(kv_cache, slot_mapping, c, k_r) -> None:
     flat[slots[valid]] = rows[valid].to(flat.dtype)
 
 
-def prefill_attention(q, c, k_r, kv_b_proj, spec, sink, recent, d_nope, d_v, scaling):
-    """(n, H · d_v) attention output of one request's whole prompt over its own tokens.
+@dataclass
+class PrefillContext:
+    """A prefill chunk's earlier tokens: `tokens` of them, the BF16 `exact` rows held for some
+    (`positions`, rows (m, d_c + d_r); the protection rows), and `read(start, end)` giving the
+    cache's copy of positions [start, end) — dequantized packed pages, or BF16 mode's own rows —
+    at most `chunk` tokens at a time (the bounded workspace)."""
 
-    q (n, H, d_nope + d_r), c (n, d_c), k_r (n, d_r); `kv_b_proj(x)` → (n, H · (d_nope + d_v))."""
+    tokens: int
+    positions: torch.Tensor
+    exact: torch.Tensor
+    read: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+    chunk: int
+
+
+def merge_states(out_a, lse_a, out_b, lse_b):
+    """Two softmax-attention partial results over disjoint keys → the one over their union
+    (vLLM's `merge_attn_states`): outputs (…, d), log-sum-exps (…); −inf = no key read."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    finite = torch.isfinite(lse)
+    safe = torch.where(finite, lse, 0.0)
+    w_a = torch.where(finite, torch.exp(lse_a - safe), 0.0)[..., None]
+    w_b = torch.where(finite, torch.exp(lse_b - safe), 0.0)[..., None]
+    return out_a * w_a + out_b * w_b, lse
+
+
+def _attend(qh, keys, values, mask, scaling):
+    """(out (H, n, d_v), lse (H, n)) of queries qh (H, n, d) over keys/values (H, m, ·) where
+    `mask` (n, m) is True; rows that read nothing get out 0, lse −inf."""
+    scores = (qh @ keys.transpose(-1, -2)) * scaling
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    return p @ values, lse
+
+
+def prefill_attention(
+    q, c, k_r, kv_b_proj, spec, sink, recent, d_nope, d_v, scaling, context=None
+):  # fmt: skip
+    """(n, H · d_v) attention output of one request's prefill chunk: its n new tokens at positions
+    t₀ .. t₀ + n − 1 (t₀ = `context.tokens`, 0 without one) over themselves and the context.
+
+    q (n, H, d_nope + d_r), c (n, d_c), k_r (n, d_r); `kv_b_proj(x)` → (n, H · (d_nope + d_v)).
+    Keys come in parts — the new tokens exact and dequantized, the context's exact rows, the
+    context's cache copy in chunks — each attended under the rule's mask and LSE-merged."""
     n, heads = q.shape[0], q.shape[1]
+    start = context.tokens if context is not None else 0
+    work = torch.promote_types(q.dtype, torch.float32)
 
     def expand(latent, rope):
-        kv = kv_b_proj(latent).view(n, heads, d_nope + d_v)
+        m = latent.shape[0]
+        kv = kv_b_proj(latent.to(c.dtype)).view(m, heads, d_nope + d_v).to(work)
         k_nope, v = kv.split([d_nope, d_v], dim=-1)
-        k = torch.cat([k_nope, rope[:, None, :].expand(n, heads, -1).to(k_nope.dtype)], dim=-1)
-        return k.transpose(0, 1), v.transpose(0, 1)  # (H, n, ·)
+        k = torch.cat([k_nope, rope[:, None, :].expand(m, heads, -1).to(work)], dim=-1)
+        return k.transpose(0, 1), v.transpose(0, 1)  # (H, m, ·)
 
-    keys, values = expand(c, k_r)
+    # (positions, keys, values, exact copy?) of every part; a query i reads key j iff j ≤ i and,
+    # when quantized, the copy is the rule's: exact iff j < sink or i − j < recent
+    positions = start + torch.arange(n, device=q.device)
+    parts = [(positions, *expand(c, k_r), True)]
     if spec.quantized:
-        k_hat, v_hat = expand(qdq_content(spec, c), qdq_rope(spec, k_r))
-    out = torch.empty(heads, n, d_v, dtype=values.dtype, device=q.device)
-    qh = q.transpose(0, 1)
-    j = torch.arange(n, device=q.device)
-    for a in range(0, n, PREFILL_CHUNK):
-        b = min(n, a + PREFILL_CHUNK)
-        i = j[a:b, None]
-        if not spec.quantized:
-            k, v, mask = keys[:, :b], values[:, :b], j[None, :b] <= i
-        else:
-            # only the keys some query of the chunk reads in that copy: the dequantized ones end
-            # `recent` before the chunk does, the exact ones are the sink and the recent window
-            quantized_end, sink_end = max(0, b - recent), min(sink, b)
-            window = max(sink_end, a - recent + 1)
-            picks = (slice(0, quantized_end), slice(0, sink_end), slice(window, b))
-            k = torch.cat([k_hat[:, picks[0]], keys[:, picks[1]], keys[:, picks[2]]], dim=1)
-            v = torch.cat([v_hat[:, picks[0]], values[:, picks[1]], values[:, picks[2]]], dim=1)
-            jj = torch.cat([j[picks[0]], j[picks[1]], j[picks[2]]])
-            exact = torch.arange(jj.shape[0], device=q.device) >= quantized_end
-            protected = (jj < sink) | (i - jj < recent)
-            mask = (jj <= i) & (protected == exact)
-        out[:, a:b] = F.scaled_dot_product_attention(
-            qh[:, a:b], k, v, attn_mask=mask, scale=scaling
-        )
+        parts.append((positions, *expand(qdq_content(spec, c), qdq_rope(spec, k_r)), False))
+    out = torch.zeros(heads, n, d_v, dtype=work, device=q.device)
+    lse = torch.full((heads, n), float("-inf"), dtype=work, device=q.device)
+    qh = q.transpose(0, 1).to(work)
+
+    def attend(jj, keys, values, exact):
+        nonlocal out, lse
+        for a in range(0, n, PREFILL_CHUNK):
+            b = min(n, a + PREFILL_CHUNK)
+            i = positions[a:b, None]
+            mask = jj[None, :] <= i
+            if spec.quantized:
+                mask = mask & (((jj[None, :] < sink) | (i - jj[None, :] < recent)) == exact)
+            read = mask.any(0)  # only the keys some query of this block reads
+            if not bool(read.any()):
+                continue
+            k, v = keys, values
+            if not bool(read.all()):
+                idx = read.nonzero().squeeze(1)
+                k, v, mask = keys[:, idx], values[:, idx], mask[:, idx]
+            o, l = _attend(qh[:, a:b], k, v, mask, scaling)
+            out[:, a:b], lse[:, a:b] = merge_states(out[:, a:b], lse[:, a:b], o, l)
+
+    if context is not None and context.tokens:
+        if spec.quantized and context.positions.numel():
+            rows = context.exact.to(work)
+            attend(context.positions.to(q.device), *expand(rows[:, : c.shape[1]],
+                   rows[:, c.shape[1] :]), True)  # fmt: skip
+        # the cache copy is read only where the rule says so: all of it in BF16 mode, else
+        # positions ≥ sink at least `recent` before the chunk's last query
+        lo = min(sink, context.tokens) if spec.quantized else 0
+        hi = min(context.tokens, start + n - recent) if spec.quantized else context.tokens
+        for a in range(lo, hi, context.chunk):
+            b = min(hi, a + context.chunk)
+            latent, rope = context.read(a, b)
+            attend(torch.arange(a, b, device=q.device), *expand(latent, rope), not spec.quantized)
+    for jj, keys, values, exact in parts:
+        attend(jj, keys, values, exact)
     return out.transpose(0, 1).reshape(n, heads * d_v)
+
+
+def context_reader(storage, layout: CacheLayout, table_row, workspace, kernel: str):
+    """`read(start, end)` of `PrefillContext` over packed pages: the pages covering positions
+    [start, end) of one request (`table_row`) dequantized — into `workspace` (rows ≥ the chunk +
+    two pages, d_c + d_r) by the Triton gather on CUDA, by the torch path elsewhere."""
+    page = layout.page_tokens
+
+    def read(start: int, end: int):
+        first, last = start // page, -(-end // page)
+        pages = table_row[first:last].to(torch.int64)
+        if kernel == "triton":
+            from quantmla_kernels.paged_cache.gather import gather_pages
+
+            rows = gather_pages(storage, layout, pages, workspace)
+            c, k_r = rows[:, : layout.d_c], rows[:, layout.d_c :]
+        else:
+            c, k_r = dequantize_pages(storage, layout, pages[None], pages.shape[0])
+            c, k_r = c[0], k_r[0]
+        lo = start - first * page
+        return c[lo : lo + end - start], k_r[lo : lo + end - start]
+
+    return read
+
+
+def row_reader(kv_cache, table_row, d_c: int):
+    """`read(start, end)` over BF16 mode's row pages (blocks, block tokens, d_c + d_r)."""
+    page = kv_cache.shape[1]
+
+    def read(start: int, end: int):
+        first, last = start // page, -(-end // page)
+        rows = kv_cache.index_select(0, table_row[first:last].to(torch.int64))
+        rows = rows.reshape(-1, kv_cache.shape[-1])[start - first * page : end - first * page]
+        return rows[:, :d_c], rows[:, d_c:]
+
+    return read
 
 
 def decode_latent(q_lat, q_rope, scaling, table, lens, layout, storage, prot, kernel: str):

@@ -18,3 +18,16 @@ def register() -> None:
                 register_backend(getattr(AttentionBackendEnum, name), BACKEND)
     else:
         register_backend(AttentionBackendEnum.CUSTOM, BACKEND)
+
+
+def platform() -> str | None:
+    """Entry point `vllm.platform_plugins: quantmla`: vLLM's CPU or CUDA platform with the QuantMLA
+    backend's scheduler settings and start-up checks (quantmla/serving/platform.py); None where
+    neither built-in platform applies."""
+    from vllm.platforms import cpu_platform_plugin, cuda_platform_plugin
+
+    if cuda_platform_plugin() is not None:
+        return "quantmla.serving.platform.QuantMLACudaPlatform"
+    if cpu_platform_plugin() is not None:
+        return "quantmla.serving.platform.QuantMLACpuPlatform"
+    return None

@@ -102,6 +102,16 @@ class ProtectionTable:
         for slot, p in zip(slots.tolist(), positions):
             self.tokens[slot] = p + 1
 
+    def held(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, rows) the slot holds for its cached tokens, in position order: the sinks
+        and the last `recent` (a chunked prefill's context rows; copies, safe to overwrite)."""
+        tokens = self.tokens[slot]
+        sinks = torch.arange(min(self.sink, tokens))
+        ring = torch.arange(max(self.sink, tokens - self.recent), tokens)
+        pos = torch.cat([sinks, ring])
+        where = protection_slots(pos, self.sink, self.recent).to(self.buffer.device)
+        return pos, self.buffer[slot, where]
+
     def rows(self, slots: torch.Tensor) -> torch.Tensor:
         """(B, sink + recent, width) the decode kernels read for these slots."""
         return self.buffer.index_select(0, slots.to(self.buffer.device))

@@ -10,6 +10,7 @@ baseline; `{"precision": "c4r4"}` on a plain checkpoint is RTN). Every check ans
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -145,6 +146,26 @@ def protection_budget(
             f"{max(1, (kv_bytes - 1) // one)} or raise the budget"
         )
     return total
+
+
+def fitting_num_seqs(
+    settings: ServeSettings, d_c: int, d_r: int, layers: int, kv_bytes: int, max_model_len: int,
+    block_size: int,
+) -> int:  # fmt: skip
+    """The most requests whose protection leaves an explicit budget pages for one
+    `max_model_len`-token request (what vLLM requires); one line if not even one request fits."""
+    one = settings.protection_bytes(d_c, d_r) * layers
+    if not one:
+        return sys.maxsize
+    request = -(-max_model_len // block_size) * block_size * settings.token_bytes(d_c, d_r) * layers
+    fits = (kv_bytes - request) // one
+    if fits < 1:
+        raise QuantMLAError(
+            f"kv_cache_memory_bytes={kv_bytes} cannot hold one {max_model_len}-token request "
+            f"({request} B of pages) and its BF16 protection ({one} B); raise the budget to at "
+            f"least {request + one + 1} or lower max_model_len"
+        )
+    return int(fits)
 
 
 def predicted_capacity(
