@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from quantmla.errors import ConfigError, QuantMLAError
+from quantmla.quant import qdq_content, qdq_rope
 from quantmla.serving.protection import ProtectionLostError, ProtectionTable
 from quantmla.serving.settings import ServeSettings, predicted_capacity, protection_budget
-from quantmla.quant import qdq_content, qdq_rope
 from quantmla.spec import QuantizerSpec
 from quantmla_kernels.paged_cache.reference import kept_in_protection, protected_positions
 

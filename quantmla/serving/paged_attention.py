@@ -140,8 +140,8 @@ def prefill_attention(
             if not bool(read.all()):
                 idx = read.nonzero().squeeze(1)
                 k, v, mask = keys[:, idx], values[:, idx], mask[:, idx]
-            o, l = _attend(qh[:, a:b], k, v, mask, scaling)
-            out[:, a:b], lse[:, a:b] = merge_states(out[:, a:b], lse[:, a:b], o, l)
+            part, part_lse = _attend(qh[:, a:b], k, v, mask, scaling)
+            out[:, a:b], lse[:, a:b] = merge_states(out[:, a:b], lse[:, a:b], part, part_lse)
 
     if context is not None and context.tokens:
         if spec.quantized and context.positions.numel():
