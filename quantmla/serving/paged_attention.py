@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from quantmla.memory import CacheLayout
 from quantmla.quant import qdq_content, qdq_rope
@@ -103,7 +104,9 @@ def prefill_attention(
 
     q (n, H, d_nope + d_r), c (n, d_c), k_r (n, d_r); `kv_b_proj(x)` → (n, H · (d_nope + d_v)).
     Keys come in parts — the new tokens exact and dequantized, the context's exact rows, the
-    context's cache copy in chunks — each attended under the rule's mask and LSE-merged."""
+    context's cache copy — each read under the rule's mask. A context that fits one workspace
+    read is attended with the rest in one softmax; a longer one in workspace-sized reads whose
+    partial results are LSE-merged."""
     n, heads = q.shape[0], q.shape[1]
     start = context.tokens if context is not None else 0
     work = torch.promote_types(q.dtype, torch.float32)
@@ -121,44 +124,63 @@ def prefill_attention(
     parts = [(positions, *expand(c, k_r), True)]
     if spec.quantized:
         parts.append((positions, *expand(qdq_content(spec, c), qdq_rope(spec, k_r)), False))
-    out = torch.zeros(heads, n, d_v, dtype=work, device=q.device)
-    lse = torch.full((heads, n), float("-inf"), dtype=work, device=q.device)
-    qh = q.transpose(0, 1).to(work)
-
-    def attend(jj, keys, values, exact):
-        nonlocal out, lse
-        for a in range(0, n, PREFILL_CHUNK):
-            b = min(n, a + PREFILL_CHUNK)
-            i = positions[a:b, None]
-            mask = jj[None, :] <= i
-            if spec.quantized:
-                mask = mask & (((jj[None, :] < sink) | (i - jj[None, :] < recent)) == exact)
-            read = mask.any(0)  # only the keys some query of this block reads
-            if not bool(read.any()):
-                continue
-            k, v = keys, values
-            if not bool(read.all()):
-                idx = read.nonzero().squeeze(1)
-                k, v, mask = keys[:, idx], values[:, idx], mask[:, idx]
-            part, part_lse = _attend(qh[:, a:b], k, v, mask, scaling)
-            out[:, a:b], lse[:, a:b] = merge_states(out[:, a:b], lse[:, a:b], part, part_lse)
-
+    reads = []  # the context's cache copy, (start, end) per workspace read
     if context is not None and context.tokens:
         if spec.quantized and context.positions.numel():
             rows = context.exact.to(work)
-            attend(context.positions.to(q.device), *expand(rows[:, : c.shape[1]],
-                   rows[:, c.shape[1] :]), True)  # fmt: skip
-        # the cache copy is read only where the rule says so: all of it in BF16 mode, else
-        # positions ≥ sink at least `recent` before the chunk's last query
+            latent, rope = rows[:, : c.shape[1]], rows[:, c.shape[1] :]
+            parts.append((context.positions.to(q.device), *expand(latent, rope), True))
+        # read only where the rule does: all of it in BF16 mode, else positions ≥ sink at least
+        # `recent` before the chunk's last query
         lo = min(sink, context.tokens) if spec.quantized else 0
         hi = min(context.tokens, start + n - recent) if spec.quantized else context.tokens
-        for a in range(lo, hi, context.chunk):
-            b = min(hi, a + context.chunk)
-            latent, rope = context.read(a, b)
-            attend(torch.arange(a, b, device=q.device), *expand(latent, rope), not spec.quantized)
-    for jj, keys, values, exact in parts:
-        attend(jj, keys, values, exact)
+        reads = [(a, min(hi, a + context.chunk)) for a in range(lo, hi, context.chunk)]
+
+    def cached(a, b):
+        return (torch.arange(a, b, device=q.device), *expand(*context.read(a, b)),
+                not spec.quantized)  # fmt: skip
+
+    qh = q.transpose(0, 1).to(work)
+    if len(reads) <= 1:  # one softmax over every part
+        parts += [cached(*reads[0])] if reads else []
+        out = torch.empty(heads, n, d_v, dtype=work, device=q.device)
+        for a, b, keys, values, mask in _blocks(positions, parts, spec, sink, recent):
+            out[:, a:b] = F.scaled_dot_product_attention(
+                qh[:, a:b], keys, values, attn_mask=mask, scale=scaling
+            )
+        return out.transpose(0, 1).reshape(n, heads * d_v)
+    out = torch.zeros(heads, n, d_v, dtype=work, device=q.device)
+    lse = torch.full((heads, n), float("-inf"), dtype=work, device=q.device)
+    for group in [parts] + [[cached(a, b)] for a, b in reads]:
+        for a, b, keys, values, mask in _blocks(positions, group, spec, sink, recent):
+            part, part_lse = _attend(qh[:, a:b], keys, values, mask, scaling)
+            out[:, a:b], lse[:, a:b] = merge_states(out[:, a:b], lse[:, a:b], part, part_lse)
     return out.transpose(0, 1).reshape(n, heads * d_v)
+
+
+def _blocks(positions, parts, spec, sink, recent):
+    """Per block of `PREFILL_CHUNK` queries: (a, b, keys, values, mask) with only the keys some
+    query of the block reads, from every part, concatenated (a view where a part's keys run)."""
+    for a in range(0, positions.shape[0], PREFILL_CHUNK):
+        b = min(positions.shape[0], a + PREFILL_CHUNK)
+        i = positions[a:b, None]
+        pieces = []
+        for jj, keys, values, exact in parts:
+            mask = jj[None, :] <= i
+            if spec.quantized:
+                mask = mask & (((jj[None, :] < sink) | (i - jj[None, :] < recent)) == exact)
+            idx = mask.any(0).nonzero().squeeze(1)
+            if not idx.numel():
+                continue
+            lo, hi = int(idx[0]), int(idx[-1]) + 1
+            if hi - lo == idx.numel():
+                pieces.append((keys[:, lo:hi], values[:, lo:hi], mask[:, lo:hi]))
+            else:
+                pieces.append((keys[:, idx], values[:, idx], mask[:, idx]))
+        if pieces:
+            keys, values, mask = (torch.cat(x, dim=-2 if x[0].dim() == 3 else -1)
+                                  for x in zip(*pieces))  # fmt: skip
+            yield a, b, keys, values, mask
 
 
 def context_reader(storage, layout: CacheLayout, table_row, workspace, kernel: str):

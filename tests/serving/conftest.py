@@ -47,9 +47,8 @@ def export(out: Path, *overrides: str) -> Path:
 def exports(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("exports")
     return {
-        "v2_rtn_c4r4": export(
-            root / "v2_rtn_c4r4", "model=tiny_mla_v2", "method=rtn", "precision=c4r4"
-        ),
+        name: export(root / name, "model=tiny_mla_v2", "method=rtn", f"precision={precision}")
+        for name, precision in (("v2_rtn_c4r4", "c4r4"), ("v2_rtn_c2r4", "c2r4"))
     }
 
 
@@ -63,6 +62,22 @@ def prompt_ids(exports) -> list[int]:
     text = WIKITEXT.read_text()[1000:4600]
     ids = AutoTokenizer.from_pretrained(exports["v2_rtn_c4r4"])(text).input_ids
     return ids[:700]
+
+
+def packed_generate(model_dir, ids, precision, n, tmp) -> dict:
+    """`python -m quantmla.generate cache.backend=packed` on exactly these prompt tokens."""
+    from transformers import AutoTokenizer
+
+    text_file, out = Path(tmp) / "prompt.txt", Path(tmp) / f"packed-{precision}.json"
+    text_file.write_text(AutoTokenizer.from_pretrained(model_dir).decode(ids))
+    project(
+        "-m", "quantmla.generate", "model=tiny_mla_v2", f"model.path={model_dir}",
+        f"precision={precision}", "method=rtn", "cache.backend=packed", f"prompt_file={text_file}",
+        f"max_new_tokens={n}", f"json_out={out}",
+    )  # fmt: skip
+    packed = json.loads(out.read_text())
+    assert packed["prompt_token_ids"] == ids  # the same prompt tokens on both sides
+    return packed
 
 
 def reference_logprobs(model_dir, ids, precision="bf16", tmp=None) -> list:
