@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from analysis import frontier, probes, sensitivity
+from analysis import frontier, probes, sensitivity, throughput
 from analysis.common import default_results_dir, output_name, pyplot, save
 from quantmla.tracking.store import load_records
 
@@ -250,13 +250,19 @@ def _figures():
         "fig5a": (_fig5a, "fig5a_memory"),
         "fig5b": (_named(fig5b, "fig5b_latency"), "fig5b_latency"),
         "fig5c": (_named(fig5c, "fig5c_throughput"), "fig5c_throughput"),
+        "fig5c_sweep": (_named(_fig5c_sweep, "fig5c_sweep"), "fig5c_throughput"),
         "fig6": (_named(sensitivity.fig6, "fig6_sensitivity_layers"), "fig2_sensitivity"),
         "fig7": (_named(probes.fig7, "fig7_operator"), "table5_probes"),
         "frontier": (_named(frontier.frontier, "frontier"), "frontier"),
     }
 
 
-FIGURES = ("fig2", "fig4", "fig5a", "fig5b", "fig5c", "fig6", "fig7", "frontier")
+def _fig5c_sweep(records, out, stem):
+    paper = yaml.safe_load(PAPER.read_text())["fig5c_throughput"]["c4r4"]
+    return throughput.fig5c_sweep(records, out, stem, paper)
+
+
+FIGURES = ("fig2", "fig4", "fig5a", "fig5b", "fig5c", "fig5c_sweep", "fig6", "fig7", "frontier")
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from analysis import frontier, probes, sensitivity
+from analysis import frontier, probes, sensitivity, throughput
 from analysis.common import default_results_dir, output_name
 from quantmla.methods.registry import METHODS
 from quantmla.tracking.store import load_records
@@ -216,10 +216,16 @@ def study_tables(paper: dict) -> dict:
         "allocation": (probes.allocation_rows, "table5_probes"),
         "frontier": (frontier.frontier_rows, "frontier"),
         "frontier_pairs": (frontier.comparison_rows, "frontier"),
+        "fig5c_sweep": (
+            lambda records: throughput.sweep_rows(records, paper["fig5c_throughput"]["c4r4"]),
+            "fig5c_throughput",
+        ),
     }
 
 
-STUDY_TABLES = ("table4", "table5", "table6", "allocation", "frontier", "frontier_pairs")
+STUDY_TABLES = (
+    "table4", "table5", "table6", "allocation", "frontier", "frontier_pairs", "fig5c_sweep",
+)  # fmt: skip
 
 
 GENERATED = re.compile(r"(<!-- generated: (\S+) -->\n)(.*?)(\n<!-- end generated -->)", re.DOTALL)

@@ -187,6 +187,14 @@ class EvalConfig:
         None, "throughput: the whole KV budget (protection included); null: vLLM's memory default"
     )
     max_num_seqs: int = opt(8, "throughput: vLLM's max_num_seqs (protection slots per layer)")
+    max_num_batched_tokens: int | None = opt(
+        None, "throughput: tokens per engine step (chunked prefill's chunk); null: vLLM's default"
+    )
+    first_chunk_admission: bool = opt(
+        False,
+        "throughput: admit a request once its first chunk fits (vLLM scheduler_reserve_full_isl="
+        "False, the policy before vLLM reserved whole prompts), not only when its whole prompt does",
+    )
     tensor_parallel: int = opt(1, "throughput: vLLM tensor_parallel_size")
 
 

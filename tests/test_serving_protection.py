@@ -58,6 +58,52 @@ def test_budget_and_capacity_arithmetic():
         protection_budget(s, 256, 64, 6, 8, 3 * one + 5)
 
 
+def _fake_vllm_config(tmp_path, kv_bytes, max_num_seqs=256, prefix=True, speculative=None):
+    """The parts of a `VllmConfig` the platform plug-in reads, over a stated-precision model."""
+    from types import SimpleNamespace as NS
+
+    model = NS(
+        model=str(tmp_path), max_model_len=4096, use_mla=True,
+        hf_config=NS(kv_lora_rank=256, qk_rope_head_dim=64), get_num_layers=lambda _: 6,
+    )  # fmt: skip
+    return NS(
+        model_config=model, parallel_config=None, speculative_config=speculative,
+        cache_config=NS(enable_prefix_caching=prefix, kv_cache_memory_bytes=kv_bytes, block_size=16),
+        scheduler_config=NS(max_num_seqs=max_num_seqs),
+        additional_config={"quantmla": {"precision": "c4r4"}},
+    )  # fmt: skip
+
+
+def test_platform_lowers_max_num_seqs_and_takes_the_protection_out_of_the_budget(tmp_path, capsys):
+    """The platform plug-in on a fresh config: prefix caching off and max_num_seqs lowered, each
+    with one printed line; the kept slots' protection out of the budget, once."""
+    from quantmla.serving.platform import PREFIX_CACHING_OFF, TAKEN, configure
+    from quantmla.serving.settings import fitting_num_seqs
+
+    s = ServeSettings(precision="c4r4")
+    one, request = 132 * 320 * 2 * 6, 4096 * 184 * 6
+    fits = fitting_num_seqs(s, 256, 64, 6, 64 << 20, 4096, 16)
+    assert fits * one <= (64 << 20) - request < (fits + 1) * one
+    config = _fake_vllm_config(tmp_path, 64 << 20)
+    configure(config)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [PREFIX_CACHING_OFF, lines[1]] and f"max_num_seqs 256 -> {fits}" in lines[1]
+    assert config.scheduler_config.max_num_seqs == fits
+    assert not config.cache_config.enable_prefix_caching
+    assert config.cache_config.kv_cache_memory_bytes == (64 << 20) - fits * one
+    assert config.additional_config[TAKEN] == fits * one
+    configure(config)  # a config is checked once
+    assert config.cache_config.kv_cache_memory_bytes == (64 << 20) - fits * one
+    assert not capsys.readouterr().err
+    kept = _fake_vllm_config(tmp_path, 64 << 20, max_num_seqs=8, prefix=False)
+    configure(kept)
+    assert kept.scheduler_config.max_num_seqs == 8 and not capsys.readouterr().err
+    with pytest.raises(QuantMLAError, match="cannot hold one 4096-token request"):
+        configure(_fake_vllm_config(tmp_path, request + one - 1))
+    with pytest.raises(QuantMLAError, match="speculative"):
+        configure(_fake_vllm_config(tmp_path, 64 << 20, speculative=object()))
+
+
 def test_settings_refuse_what_the_writer_cannot_pack():
     with pytest.raises(ConfigError, match="c5r4"):
         ServeSettings(precision="c5r4")  # 5-bit words would be 5 bytes: not packed

@@ -145,6 +145,8 @@ EVALUATORS: dict[str, Evaluator] = {
                 "output_tokens",
                 "kv_cache_memory_bytes",
                 "max_num_seqs",
+                "max_num_batched_tokens",
+                "first_chunk_admission",
                 "tensor_parallel",
             ),
             "quantmla.evaluation.throughput:check",

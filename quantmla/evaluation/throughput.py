@@ -22,6 +22,7 @@ SHOWN = (
     ("running_max", "max run", "{:>8.0f}"),
     ("running_mean", "mean run", "{:>9.2f}"),
     ("preemptions", "preempt", "{:>8.0f}"),
+    ("recomputed_tokens", "recomputed", "{:>11,.0f}"),
     ("engine_steps", "steps", "{:>7.0f}"),
     ("output_tok_s", "out tok/s", "{:>10.2f}"),
     ("wall_s", "wall s", "{:>8.1f}"),
@@ -33,8 +34,11 @@ def check(cfg, job) -> None:
     from quantmla.serving.settings import check_servable
 
     e = cfg.eval
-    for name in ("requests", "input_tokens", "output_tokens", "max_num_seqs", "tensor_parallel"):
+    for name in ("requests", "input_tokens", "output_tokens", "max_num_seqs", "tensor_parallel",
+                 "max_num_batched_tokens"):  # fmt: skip
         value = getattr(e, name)
+        if value is None and name == "max_num_batched_tokens":
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"eval.{name}", value, "an integer >= 1")
     check_servable(job.paths.serve_python, job.model_config, job.policy, "eval.kind=throughput")
@@ -76,6 +80,10 @@ def evaluate(cfg, prepared) -> dict:
         ]  # fmt: skip
         if e.kv_cache_memory_bytes is not None:
             command += ["--kv-cache-memory-bytes", str(e.kv_cache_memory_bytes)]
+        if e.max_num_batched_tokens is not None:
+            command += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
+        if e.first_chunk_admission:
+            command.append("--first-chunk-admission")
         if not prepared.policy.spec.quantized:
             command += ["--precision", "bf16"]
         print(f"[throughput] vLLM: {' '.join(command[1:4])} ...", flush=True)

@@ -51,7 +51,7 @@ def quantmla_config(precision: str | None = None, **fields) -> dict:
 
 
 def check(
-    model_dir, quantmla: dict, kv_cache_memory_bytes: int | None, max_num_seqs: int,
+    model_dir, quantmla: dict, kv_cache_memory_bytes: int | None, max_num_seqs: int | None,
     block_size: int = 16,
 ):  # fmt: skip
     """Every refusal the backend would make at start-up, answered before vLLM loads anything;
@@ -59,7 +59,7 @@ def check(
     geometry = model_geometry(model_dir)
     check_geometry(geometry["d_c"], geometry["d_r"])
     settings = resolve_settings(model_dir, quantmla)
-    if kv_cache_memory_bytes is not None:
+    if kv_cache_memory_bytes is not None and max_num_seqs is not None:
         predicted_capacity(
             settings, geometry["d_c"], geometry["d_r"], geometry["layers"], block_size,
             kv_cache_memory_bytes, max_num_seqs,
@@ -72,7 +72,7 @@ def engine_args(
     *,
     precision: str | None = None,
     kv_cache_memory_bytes: int | None = None,
-    max_num_seqs: int = 16,
+    max_num_seqs: int | None = None,
     max_model_len: int | None = None,
     dtype: str = "auto",
     seed: int = 0,
@@ -89,12 +89,13 @@ def engine_args(
         model=str(model_dir),
         dtype=dtype,
         seed=seed,
-        max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         block_size=block_size,
         kv_cache_memory_bytes=kv_cache_memory_bytes,
         additional_config={"quantmla": config},
     )
+    if max_num_seqs is not None:  # else vLLM's default, lowered to what the budget protects
+        args["max_num_seqs"] = max_num_seqs
     if _cpu():
         args.update(enforce_eager=True, compilation_config=EAGER_COMPILATION)
     else:

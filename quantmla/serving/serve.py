@@ -14,6 +14,7 @@ import os
 import sys
 
 from quantmla.errors import QuantMLAError
+from quantmla.serving.platform import PREFIX_CACHING_REFUSED
 
 
 def server_argv(model_dir: str, host: str, port: int, **engine) -> list[str]:
@@ -44,7 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("model", help="an export (python -m quantmla.export ... out=DIR)")
     parser.add_argument("--precision", default=None, help="bf16: the backend's BF16 mode")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=None, help="default: vLLM's (lowered to what fits)"
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument(
@@ -54,6 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args(ours)
     try:
+        if "--enable-prefix-caching" in theirs:
+            raise QuantMLAError(PREFIX_CACHING_REFUSED)
         command = server_argv(
             args.model, args.host, args.port, precision=args.precision,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,

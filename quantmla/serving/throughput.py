@@ -5,8 +5,10 @@ export's packed cache. Run in the serving venv:
     python -m quantmla.serving.throughput --model DIR [--precision bf16] --json OUT
 
 Each step of the engine is driven here so the record holds vLLM's own numbers per step: KV
-token capacity, running requests (max and mean over steps), preemptions, engine steps, output
-tokens per second and wall time. Prompts are consecutive WikiText-2 test tokens (one offset per
+token capacity, running requests (max and mean over steps), preemptions, the tokens its steps
+computed beyond one pass over every prompt and output (recomputed after preemption), engine
+steps, output tokens per second and wall time. vLLM's own scheduler settings are kept (chunked
+prefill on at its default batch; prefix caching off, quantmla/serving/platform.py) and recorded. Prompts are consecutive WikiText-2 test tokens (one offset per
 request), so no two requests share a prefix.
 """
 
@@ -35,10 +37,27 @@ def workload_prompts(
 
 
 def _metric(llm, name: str) -> float:
-    for m in llm.get_metrics():
-        if m.name == name:
-            return float(getattr(m, "value", 0) or 0)
-    return 0.0
+    """A counter's or gauge's value, summed over vLLM's engines."""
+    return sum(float(getattr(m, "value", 0) or 0) for m in llm.get_metrics() if m.name == name)
+
+
+def _count_scheduled_tokens(engine) -> list[int]:
+    """A one-element counter of the tokens vLLM's scheduler gives the model each step (prompt
+    chunks, recomputed ones included, and decode tokens): its own `SchedulerOutput`s, read on the
+    in-process engine core."""
+    core = getattr(engine.engine_core, "engine_core", None)
+    if core is None:
+        raise RuntimeError("the throughput workload drives an in-process engine core")
+    scheduler, count = core.scheduler, [0]
+    schedule = scheduler.schedule
+
+    def counted(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        count[0] += output.total_num_scheduled_tokens
+        return output
+
+    scheduler.schedule = counted
+    return count
 
 
 def run_workload(llm, prompts: list[list[int]], output_tokens: int, progress: bool = True) -> dict:
@@ -50,6 +69,7 @@ def run_workload(llm, prompts: list[list[int]], output_tokens: int, progress: bo
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
     preempted_before = _metric(llm, "vllm:num_preemptions")
+    computed = _count_scheduled_tokens(engine)
     for i, ids in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": ids}, params)
     running, steps, generated = [], 0, 0
@@ -63,7 +83,20 @@ def run_workload(llm, prompts: list[list[int]], output_tokens: int, progress: bo
             print(f"[throughput] step {steps}: {int(running[-1])} running", flush=True)
     wall = time.perf_counter() - started
     total_out = len(prompts) * output_tokens
+    computed = computed[0]
+    # one pass: every prompt token and every output token but the last (never fed back)
+    once = sum(len(ids) for ids in prompts) + len(prompts) * (output_tokens - 1)
+    config = engine.vllm_config
     return {
+        "chunked_prefill": bool(config.scheduler_config.enable_chunked_prefill),
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+        "max_num_seqs": config.scheduler_config.max_num_seqs,
+        "reserve_full_isl": bool(
+            getattr(config.scheduler_config, "scheduler_reserve_full_isl", False)
+        ),
+        "prefix_caching": bool(config.cache_config.enable_prefix_caching),
+        "computed_tokens": int(computed),
+        "recomputed_tokens": int(computed - once),
         "kv_capacity_tokens": capacity_tokens(llm),
         "requests": len(prompts),
         "input_tokens": len(prompts[0]),
@@ -87,6 +120,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=30_000_000)
     parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="default: vLLM's (chunked prefill)"
+    )
+    parser.add_argument(
+        "--first-chunk-admission", action="store_true",
+        help="admit a request when its first chunk fits (scheduler_reserve_full_isl=False: the "
+        "policy before vLLM reserved the whole prompt at admission), not its whole prompt",
+    )  # fmt: skip
     parser.add_argument("--tensor-parallel", type=int, default=1)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--text", required=True, help="text the prompts are cut from")
@@ -109,7 +150,10 @@ def main(argv: list[str] | None = None) -> dict:
         dtype=args.dtype,
         tensor_parallel_size=args.tensor_parallel,
         disable_log_stats=False,
-    )
+        **({"max_num_batched_tokens": args.max_num_batched_tokens}
+           if args.max_num_batched_tokens else {}),
+        **({"scheduler_reserve_full_isl": False} if args.first_chunk_admission else {}),
+    )  # fmt: skip
     metrics = run_workload(llm, prompts, args.output_tokens)
     metrics["precision"] = args.precision or "export"
     print(json.dumps(metrics, indent=1))

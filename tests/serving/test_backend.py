@@ -11,7 +11,7 @@ import pytest
 from quantmla.errors import ConfigError, DataNotFoundError, QuantMLAError
 from quantmla.serving.engine import build_llm, capacity_tokens, expected_capacity
 from quantmla.serving.settings import ServeSettings, resolve_settings
-from tests.serving.conftest import project, reference_logprobs
+from tests.serving.conftest import packed_generate, project, reference_logprobs
 
 BUDGET = 64_000_000
 
@@ -82,19 +82,7 @@ def test_c4r4_decode_equals_the_simulator_and_the_packed_generate(
     print(f"C4R4 prefill vs simulator: max |Δ log p| = {worst_prefill:.2e} nats")
     assert worst_prefill < 2e-2
 
-    ids_file = tmp_path / "prompt.json"
-    text_file = tmp_path / "prompt.txt"
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(exports["v2_rtn_c4r4"])
-    text_file.write_text(tok.decode(prompt_ids))
-    project(
-        "-m", "quantmla.generate", "model=tiny_mla_v2", f"model.path={exports['v2_rtn_c4r4']}",
-        "precision=c4r4", "method=rtn", "cache.backend=packed", f"prompt_file={text_file}",
-        "max_new_tokens=64", f"json_out={ids_file}",
-    )  # fmt: skip
-    packed = json.loads(ids_file.read_text())
-    assert packed["prompt_token_ids"] == prompt_ids  # the same prompt tokens on both sides
+    packed = packed_generate(exports["v2_rtn_c4r4"], prompt_ids, "c4r4", 64, tmp_path)
     same = next((i for i, (a, b) in enumerate(zip(tokens, packed["token_ids"])) if a != b), None)
     if same is not None:  # only at a measured near-tie of the simulator's top two
         pytest.fail(f"greedy text differs from generate cache.backend=packed at token {same}")
@@ -122,7 +110,7 @@ def test_refusals_are_one_line_before_vllm_starts(exports, tmp_path):
     assert resolve_settings(no_manifest, {"precision": "c4r4"}).precision == "c4r4"  # stated: RTN
     with pytest.raises(ConfigError, match="precision.*c5r4.*bits in"):
         build_llm(model, precision="c5r4")
-    with pytest.raises(QuantMLAError, match="smaller than one request's BF16 protection"):
+    with pytest.raises(QuantMLAError, match="kv_cache_memory_bytes=100000 cannot hold one"):
         build_llm(model, kv_cache_memory_bytes=100_000)
     wide = tmp_path / "wide"
     wide.mkdir()

@@ -1,7 +1,8 @@
-"""vLLM's own OpenAI-compatible server over an export with the QuantMLA backend, on 127.0.0.1
-only: a completion equals the packed generate's greedy text, and a burst of 64 concurrent
-requests at a KV budget that forces preemption completes with each text equal to the same
-request served alone. Every request loop is bounded in count and time."""
+"""vLLM's own OpenAI-compatible server over an export with the QuantMLA backend (vLLM's scheduler
+defaults: chunked prefill on), on 127.0.0.1 only: a completion equals the packed generate's
+greedy text, and a streaming burst of 64 concurrent requests at a KV budget that forces
+preemption, a quarter aborted by their clients, completes with each finished text equal to the
+same request in an unpressured run. Every request loop is bounded in count and time."""
 
 import json
 import os
@@ -14,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.serving.conftest import REPO, WIKITEXT, project
+from tests.serving.conftest import REPO, WIKITEXT, packed_generate
 
 BURST = 64
 OUT_TOKENS = 96  # longer than the burst's prompts: the admitted requests cannot all grow in place
@@ -85,18 +86,7 @@ def complete(port, model, prompt, n=OUT_TOKENS):
 
 def test_a_completion_is_the_packed_generates_greedy_text(server, prompt_ids, tmp_path):
     port, model = server
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model)
-    text_file, out = tmp_path / "prompt.txt", tmp_path / "packed.json"
-    prompt = tok.decode(prompt_ids[:600])
-    text_file.write_text(prompt)
-    project(
-        "-m", "quantmla.generate", "model=tiny_mla_v2", f"model.path={model}", "precision=c4r4",
-        "method=rtn", "cache.backend=packed", f"prompt_file={text_file}", "max_new_tokens=64",
-        f"json_out={out}",
-    )  # fmt: skip
-    packed = json.loads(out.read_text())
+    packed = packed_generate(model, prompt_ids[:600], "c4r4", 64, tmp_path)
     served = post(
         port, "/v1/completions",
         {"model": model, "prompt": packed["prompt_token_ids"], "max_tokens": 64, "temperature": 0.0},
@@ -104,17 +94,64 @@ def test_a_completion_is_the_packed_generates_greedy_text(server, prompt_ids, tm
     assert served == packed["text"]
 
 
-def test_a_burst_under_preemption_completes_with_each_text_as_served_alone(server):
+def stream(port: int, model: str, prompt: str, n: int, abort_after: int | None = None):
+    """A streaming completion's text, or None when the client hangs up after `abort_after` chunks
+    (vLLM aborts a request whose connection closes)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0.0, "stream": True}
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    pieces = []
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            pieces.append(json.loads(line[6:])["choices"][0]["text"])
+            if abort_after is not None and len(pieces) >= abort_after:
+                return None
+    return "".join(pieces)
+
+
+def test_a_streaming_burst_with_aborts_under_preemption(server, exports):
+    """64 concurrent streaming requests at a budget that forces preemption, chunked prefill on,
+    every 4th aborted by its client midway; then 32 more at once (max_num_seqs: every protection
+    slot must be free again). Each finished text = the same request in one unpressured engine run."""
+    import gc
+
+    from vllm import SamplingParams
+
+    from quantmla.serving.engine import build_llm
+
     port, model = server
     text = WIKITEXT.read_text()
-    prompts = [text[5000 + 2500 * i : 5000 + 2500 * i + 400] for i in range(BURST)]  # ~100 tokens
+    prompts = [text[5000 + 2500 * i : 5000 + 2500 * i + 400] for i in range(BURST + 32)]
+    reference = build_llm(
+        model, dtype="float32", kv_cache_memory_bytes=400_000_000, max_num_seqs=BURST + 32,
+        max_model_len=1024, quantmla={"protection_dtype": "float32"},
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=OUT_TOKENS, temperature=0.0)
+    alone = [o.outputs[0].text for o in reference.generate(prompts, params)]
+    del reference
+    gc.collect()
+
     preempted = metric(port, "vllm:num_preemptions_total")
+    aborted = set(range(0, BURST, 4))
     with ThreadPoolExecutor(max_workers=BURST) as pool:
-        together = list(pool.map(lambda p: complete(port, model, p), prompts, timeout=900))
+        burst = list(pool.map(
+            lambda i: stream(port, model, prompts[i], OUT_TOKENS, 8 if i in aborted else None),
+            range(BURST), timeout=900,
+        ))  # fmt: skip
     preemptions = metric(port, "vllm:num_preemptions_total") - preempted
-    alone = [complete(port, model, p) for p in prompts]
-    print(f"{BURST} concurrent requests: {preemptions:.0f} preemptions (recomputed)")
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        later = list(pool.map(lambda p: complete(port, model, p), prompts[BURST:], timeout=900))
+    print(f"{BURST} streaming requests, {len(aborted)} aborted: {preemptions:.0f} preemptions")
     assert preemptions > 0  # the budget really forced recompute
-    assert all(len(t) for t in together)
-    differ = [i for i, (a, b) in enumerate(zip(together, alone)) if a != b]
-    assert not differ, f"requests {differ} differ from the same request served alone"
+    assert all(burst[i] is None for i in aborted)
+    finished = [i for i in range(BURST) if i not in aborted]
+    differ = [i for i in finished if burst[i] != alone[i]]
+    assert not differ, f"requests {differ} differ from the same request in an unpressured run"
+    differ = [i for i, t in enumerate(later) if t != alone[BURST + i]]
+    assert not differ, f"later requests {differ} differ"
