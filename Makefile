@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup run test test-full lint format bench bench-gpu train-tiny train-tiny-v2 train-tiny-v2-4k sweep-tiny tables figures serve-setup serve-test gpu-check
+.PHONY: setup run test test-full lint format bench bench-gpu train-tiny train-tiny-v2 train-tiny-v2-4k sweep-tiny tables figures serve-setup serve-test serve-bench gpu-check
 
 setup:
 	test -x $(PY) || python3 -m venv .venv
@@ -34,6 +34,10 @@ format:
 
 bench:
 	$(PY) benchmarks/simulator_overhead.py
+
+serve-bench:   # vLLM's own load client (vllm bench serve, random prompts) against the served C4R4 export, loopback
+	$(PY) -m quantmla.export model=tiny_mla_v2 method=rtn precision=c4r4 out=exports/v2-c4r4 overwrite=true
+	$(SERVE_PY) benchmarks/vllm_bench_serve.py exports/v2-c4r4
 
 serve-test:   # the vLLM backend's tests (tests/serving) in .venv-serve; references from .venv
 	$(SERVE_PY) -m pytest -q -p no:cacheprovider tests/serving

