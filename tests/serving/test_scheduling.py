@@ -13,7 +13,14 @@ import pytest
 from quantmla.errors import QuantMLAError
 from quantmla.serving.engine import build_llm, engine_args
 from quantmla.serving.platform import PREFIX_CACHING_OFF, PREFIX_CACHING_REFUSED
-from tests.serving.conftest import REPO, WIKITEXT, packed_generate, reference_logprobs
+from tests.serving.conftest import (
+    REPO,
+    WIKITEXT,
+    all_cores,
+    child_env,
+    packed_generate,
+    reference_logprobs,
+)  # fmt: skip
 
 PROMPT, GREEDY = 1500, 32
 
@@ -105,9 +112,8 @@ def test_plain_vllm_with_its_defaults_gives_the_packed_text(exports, prompt_ids,
     model = exports["v2_rtn_c4r4"]
     done = subprocess.run(
         [sys.executable, "-c", PLAIN, str(model), json.dumps(prompt_ids)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-        env={k: v for k, v in __import__("os").environ.items()
-             if k != "VLLM_ENABLE_V1_MULTIPROCESSING"},
+        cwd=REPO, capture_output=True, text=True, timeout=600, preexec_fn=all_cores,
+        env={k: v for k, v in child_env().items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0])

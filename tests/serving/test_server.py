@@ -5,7 +5,6 @@ preemption, a quarter aborted by their clients, completes with each finished tex
 same request in an unpressured run. Every request loop is bounded in count and time."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.serving.conftest import REPO, WIKITEXT, packed_generate
+from tests.serving.conftest import REPO, WIKITEXT, all_cores, child_env, packed_generate
 
 BURST = 64
 OUT_TOKENS = 96  # longer than the burst's prompts: the admitted requests cannot all grow in place
@@ -49,7 +48,7 @@ def server(exports, tmp_path_factory):
     packed generate keeps them for an fp32 model) for 32 requests + 3.2K tokens of C4R4 pages."""
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env = {k: v for k, v in child_env().items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     command = [
         sys.executable, "-m", "quantmla.serving.serve", str(exports["v2_rtn_c4r4"]),
         "--kv-cache-memory-bytes", "36000000", "--max-num-seqs", "32", "--dtype", "float32",
@@ -57,7 +56,9 @@ def server(exports, tmp_path_factory):
         "--max-model-len", "1024", "--port", str(port),
     ]  # fmt: skip
     with open(log, "w") as out:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=all_cores
+        )
     try:
         deadline = time.time() + 240
         while time.time() < deadline:
@@ -86,7 +87,7 @@ def complete(port, model, prompt, n=OUT_TOKENS):
 
 def test_a_completion_is_the_packed_generates_greedy_text(server, prompt_ids, tmp_path):
     port, model = server
-    packed = packed_generate(model, prompt_ids[:600], "c4r4", 64, tmp_path)
+    packed = packed_generate(model, prompt_ids, "c4r4", 64, tmp_path)  # shared with test_backend
     served = post(
         port, "/v1/completions",
         {"model": model, "prompt": packed["prompt_token_ids"], "max_tokens": 64, "temperature": 0.0},
