@@ -22,14 +22,14 @@ from quantmla.serving.settings import (
     resolve_settings,
 )
 
-PREFIX_CACHING_OFF = (
-    "quantmla: prefix caching is off — a cached prefix would need the BF16 protection rows of "
-    "the `recent` tokens before it, which only its own live request holds (docs/serving.md)"
+_NO_PREFIX_REASON = (
+    "a cached prefix would need the BF16 protection rows of the `recent` tokens before it, which "
+    "only its own live request holds (docs/serving.md)"
 )
+PREFIX_CACHING_OFF = f"quantmla: prefix caching is off — {_NO_PREFIX_REASON}"
 PREFIX_CACHING_REFUSED = (
-    "the QuantMLA backend serves without prefix caching (enable_prefix_caching=False): a cached "
-    "prefix would need the BF16 protection rows of the `recent` tokens before it, which only "
-    "its own live request holds (docs/serving.md)"
+    "the QuantMLA backend serves without prefix caching (enable_prefix_caching=False): "
+    + _NO_PREFIX_REASON
 )
 TAKEN = "protection_bytes_taken"  # additional_config key: protection already out of the budget
 
