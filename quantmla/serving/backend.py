@@ -45,6 +45,7 @@ from quantmla.serving.settings import (
     protection_budget,
     resolve_settings,
 )
+from quantmla_kernels.paged_cache import native
 
 BLOCK_SIZES = (16, 32, 64)  # powers of two: the Triton decode tiles one page
 CONTEXT_CHUNK = 8192  # context tokens per read when vLLM gives no workspace
@@ -186,6 +187,8 @@ class QuantMLAImpl(CPUMLAImpl):
                 self.served.max_num_seqs, s.sink, s.recent, self.served.d_c + self.served.d_r,
                 getattr(torch, s.protection_dtype), self.served.device,
             )  # fmt: skip
+            if self.served.kernel == "torch":  # build the C++ CPU op now, not inside a timed step
+                native.available()
         self._new_tokens = None  # (c, k_R) of this step, for the protection rows
 
     # -- writing ---------------------------------------------------------------------------------

@@ -25,7 +25,9 @@ from quantmla.spec import QuantizerSpec
 from quantmla_kernels.paged_cache.cpu import decode_packed, decode_rows, dequantize_pages
 from quantmla_kernels.paged_cache.writer import write_slots
 
-PREFILL_CHUNK = 512  # queries per score block in prefill
+PREFILL_BLOCK = (
+    128  # queries per score block in prefill (a block reads both copies of ≤ this many keys)
+)
 
 
 def page_storage(kv_cache: torch.Tensor, layout: CacheLayout) -> torch.Tensor:
@@ -122,8 +124,11 @@ def prefill_attention(
     # when quantized, the copy is the rule's: exact iff j < sink or i − j < recent
     positions = start + torch.arange(n, device=q.device)
     parts = [(positions, *expand(c, k_r), True)]
-    if spec.quantized:
-        parts.append((positions, *expand(qdq_content(spec, c), qdq_rope(spec, k_r)), False))
+    if spec.quantized:  # the dequantized copies some query reads: positions ≥ sink, ≤ last − recent
+        lo, hi = min(max(0, sink - start), n), max(0, n - recent)
+        if lo < hi:
+            dq = qdq_content(spec, c[lo:hi]), qdq_rope(spec, k_r[lo:hi])
+            parts.append((positions[lo:hi], *expand(*dq), False))
     reads = []  # the context's cache copy, (start, end) per workspace read
     if context is not None and context.tokens:
         if spec.quantized and context.positions.numel():
@@ -158,25 +163,41 @@ def prefill_attention(
     return out.transpose(0, 1).reshape(n, heads * d_v)
 
 
+def _spans(jj, first: int, last: int, exact: bool, spec, sink: int, recent: int):
+    """Index ranges of a part's sorted key positions `jj` that some query at positions
+    first .. last reads: j ≤ last and, quantized, the rule's copy (exact: j < sink or
+    j > first − recent; dequantized: sink ≤ j ≤ last − recent)."""
+
+    def upto(p):  # how many positions ≤ p
+        return int(torch.searchsorted(jj, torch.tensor([p], device=jj.device), right=True))
+
+    end = upto(last)
+    if not spec.quantized:
+        return [(0, end)]
+    if not exact:
+        return [(upto(sink - 1), upto(last - recent))]
+    sinks = upto(min(sink, last + 1) - 1)
+    return [(0, sinks), (max(sinks, upto(first - recent)), end)]
+
+
 def _blocks(positions, parts, spec, sink, recent):
-    """Per block of `PREFILL_CHUNK` queries: (a, b, keys, values, mask) with only the keys some
-    query of the block reads, from every part, concatenated (a view where a part's keys run)."""
-    for a in range(0, positions.shape[0], PREFILL_CHUNK):
-        b = min(positions.shape[0], a + PREFILL_CHUNK)
+    """Per block of `PREFILL_BLOCK` queries: (a, b, keys, values, mask) with only the keys some
+    query of the block reads, from every part, concatenated (a part's keys are found by their
+    positions' ranges, so a block reads both copies of at most as many keys as it has queries)."""
+    for a in range(0, positions.shape[0], PREFILL_BLOCK):
+        b = min(positions.shape[0], a + PREFILL_BLOCK)
         i = positions[a:b, None]
+        first, last = int(positions[a]), int(positions[b - 1])
         pieces = []
         for jj, keys, values, exact in parts:
-            mask = jj[None, :] <= i
-            if spec.quantized:
-                mask = mask & (((jj[None, :] < sink) | (i - jj[None, :] < recent)) == exact)
-            idx = mask.any(0).nonzero().squeeze(1)
-            if not idx.numel():
-                continue
-            lo, hi = int(idx[0]), int(idx[-1]) + 1
-            if hi - lo == idx.numel():
-                pieces.append((keys[:, lo:hi], values[:, lo:hi], mask[:, lo:hi]))
-            else:
-                pieces.append((keys[:, idx], values[:, idx], mask[:, idx]))
+            for lo, hi in _spans(jj, first, last, exact, spec, sink, recent):
+                if lo >= hi:
+                    continue
+                j = jj[None, lo:hi]
+                mask = j <= i
+                if spec.quantized:
+                    mask = mask & (((j < sink) | (i - j < recent)) == exact)
+                pieces.append((keys[:, lo:hi], values[:, lo:hi], mask))
         if pieces:
             keys, values, mask = (torch.cat(x, dim=-2 if x[0].dim() == 3 else -1)
                                   for x in zip(*pieces))  # fmt: skip

@@ -1,0 +1,66 @@
+"""The C++ CPU op beside the torch path (`dequant.cpp`: packed pages → float32 rows), built on
+first use by torch's cpp_extension (a C++ compiler and ninja; cached under torch's extensions
+folder). Where it cannot be built, or `QUANTMLA_NATIVE=0`, `native_dequantize` is None and the
+callers keep the torch path (`cpu.dequantize_pages_torch`), after one printed line."""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from quantmla.memory import CacheLayout
+from quantmla_kernels.paged_cache.layout import check_packable, paths
+
+SOURCE = Path(__file__).with_name("dequant.cpp")
+META_KIND = {torch.float32: 4, torch.bfloat16: 2, torch.float16: -2}
+
+
+@cache
+def _ops():
+    if os.environ.get("QUANTMLA_NATIVE", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(
+            name="quantmla_dequant", sources=[str(SOURCE)], is_python_module=False,
+            extra_cflags=["-O3", "-march=native"], verbose=False,
+        )  # fmt: skip
+        return torch.ops.quantmla
+    except Exception as err:  # no compiler, no ninja, a build error: the torch path serves
+        print(f"[quantmla] C++ CPU op unavailable ({type(err).__name__}: {err}); torch path used")
+        return None
+
+
+def available() -> bool:
+    return _ops() is not None
+
+
+def path_constants(layout: CacheLayout) -> list[list[int]]:
+    """Each path's (dim, bits, group, codes, scales, zeros, meta kind, first column) for the op."""
+    check_packable(layout)
+    sections, column, out = layout.sections(), 0, []
+    for p in paths(layout):
+        out.append([
+            p.dim, p.bits, layout.spec.group_size, sections[f"{p.name}_codes"][0],
+            sections[f"{p.name}_scales"][0], sections[f"{p.name}_zeros"][0],
+            META_KIND[p.meta_dtype], column,
+        ])  # fmt: skip
+        column += p.dim
+    return out
+
+
+def native_dequantize(storage, layout: CacheLayout, pages, keep=None) -> torch.Tensor:
+    """(pages · page tokens, d_c + d_r) float32 rows of `pages` (int64 indices into `storage`),
+    zero where `keep` (bool, one per row) is False. Requires `available()`."""
+    tokens = pages.numel() * layout.page_tokens
+    if keep is None:
+        keep = torch.ones(tokens, dtype=torch.bool)
+    content, rope = path_constants(layout)
+    return _ops().dequantize_pages(
+        storage, pages.reshape(-1).to(torch.int64), keep.reshape(-1).contiguous(),
+        layout.page_tokens, content, rope,
+    )  # fmt: skip
