@@ -94,17 +94,17 @@ def test_fig4_and_fig5b_draw_from_records(tmp_path):
     assert all(p.stat().st_size > 1000 for p in written)
 
 
-def test_fig5c_sweep_pairs_bf16_with_packed_per_policy_and_budget(tmp_path):
-    """One row per (admission policy, budget) with both precisions; the ratio and the requests
-    BF16 holds computed from the records; a budget with one precision only is left out."""
+def test_fig5c_sweep_pairs_bf16_with_packed_per_policy_chunk_and_budget(tmp_path):
+    """One row per (admission policy, chunk, budget) with both precisions; the ratio and the
+    requests BF16 holds computed from the records; a cell with one precision only is left out."""
     from analysis.throughput import fig5c_sweep, sweep_rows
 
-    def rec(precision, budget, first_chunk, tok_s, capacity, preempt):
+    def rec(precision, budget, first_chunk, tok_s, capacity, preempt, chunk=256):
         metrics = {
             "throughput/output_tok_s": tok_s, "throughput/kv_capacity_tokens": capacity,
             "throughput/input_tokens": 3968, "throughput/output_tokens": 32,
             "throughput/preemptions": preempt, "throughput/recomputed_tokens": 10 * preempt,
-            "throughput/requests": 5, "throughput/max_num_batched_tokens": 256,
+            "throughput/requests": 5, "throughput/max_num_batched_tokens": chunk,
         }  # fmt: skip
         return {
             "config": {
@@ -118,10 +118,14 @@ def test_fig5c_sweep_pairs_bf16_with_packed_per_policy_and_budget(tmp_path):
         rec("bf16", 25_000_000, True, 2.0, 6000, 12), rec("c4r4", 25_000_000, True, 6.0, 20000, 0),
         rec("bf16", 78_000_000, False, 5.0, 20000, 0), rec("c4r4", 78_000_000, False, 5.5, 70000, 0),
         rec("bf16", 30_000_000, False, 1.0, 7000, 0),
+        rec("bf16", 25_000_000, True, 1.0, 6000, 60, 2048),
+        rec("c4r4", 25_000_000, True, 4.0, 20000, 0, 2048),
     ]  # fmt: skip
     paper = {"bf16_tok_s": 2.61, "c4r4_tok_s": 13.51, "speedup": 5.168, "bf16_preemptions": 32}
     rows = sweep_rows(records, paper)
-    assert [r[:2] for r in rows[1:3]] == [["whole prompt", "78"], ["first chunk", "25"]]
-    assert rows[2][2] == "1.50" and rows[2][3] == "12" and rows[2][-1] == "3.00x"
-    assert rows[1][-1] == "1.10x" and rows[-1][-1] == "5.168x"
+    assert [r[:3] for r in rows[1:4]] == [
+        ["whole prompt", "256", "78"], ["first chunk", "256", "25"], ["first chunk", "2,048", "25"]
+    ]  # fmt: skip
+    assert rows[2][3] == "1.50" and rows[2][4] == "12" and rows[2][-1] == "3.00x"
+    assert rows[1][-1] == "1.10x" and rows[3][-1] == "4.00x" and rows[-1][-1] == "5.168x"
     assert all(p.stat().st_size > 1000 for p in fig5c_sweep(records, tmp_path, "s", paper))

@@ -25,9 +25,9 @@ from quantmla.spec import QuantizerSpec
 from quantmla_kernels.paged_cache.cpu import decode_packed, decode_rows, dequantize_pages
 from quantmla_kernels.paged_cache.writer import write_slots
 
-PREFILL_BLOCK = (
-    128  # queries per score block in prefill (a block reads both copies of ≤ this many keys)
-)
+# queries per score block in prefill: quantized, a block reads both copies of as many keys as it
+# has queries (small blocks); BF16 mode reads one copy (larger blocks: fewer key copies)
+PREFILL_BLOCK = {True: 128, False: 512}
 
 
 def page_storage(kv_cache: torch.Tensor, layout: CacheLayout) -> torch.Tensor:
@@ -181,11 +181,12 @@ def _spans(jj, first: int, last: int, exact: bool, spec, sink: int, recent: int)
 
 
 def _blocks(positions, parts, spec, sink, recent):
-    """Per block of `PREFILL_BLOCK` queries: (a, b, keys, values, mask) with only the keys some
+    """Per block of `PREFILL_BLOCK[quantized]` queries: (a, b, keys, values, mask) with only the keys some
     query of the block reads, from every part, concatenated (a part's keys are found by their
     positions' ranges, so a block reads both copies of at most as many keys as it has queries)."""
-    for a in range(0, positions.shape[0], PREFILL_BLOCK):
-        b = min(positions.shape[0], a + PREFILL_BLOCK)
+    size = PREFILL_BLOCK[spec.quantized]
+    for a in range(0, positions.shape[0], size):
+        b = min(positions.shape[0], a + size)
         i = positions[a:b, None]
         first, last = int(positions[a]), int(positions[b - 1])
         pieces = []
