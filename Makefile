@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup run test test-full lint format bench bench-gpu train-tiny train-tiny-v2 train-tiny-v2-4k sweep-tiny tables figures serve-setup serve-test serve-bench gpu-check
+.PHONY: setup run test test-full lint format bench bench-gpu train-tiny train-tiny-v2 train-tiny-v2-4k sweep-tiny tables figures serve-setup serve-test serve-bench gpu-check kernels-compile
 
 setup:
 	test -x $(PY) || python3 -m venv .venv
@@ -42,7 +42,11 @@ serve-bench:   # vLLM's own load client (vllm bench serve, random prompts) again
 serve-test:   # the vLLM backend's tests (tests/serving) in .venv-serve; references from .venv
 	$(SERVE_PY) -m pytest -q -p no:cacheprovider tests/serving
 
-gpu-check:   # the first GPU run, one command (< 8 min on one H200): gpu tests, a CUDA job vs its memory plan, latency --quick; one JSON report
+kernels-compile:   # every Triton kernel compiled for sm_80 and sm_90 without a GPU; its resource table (docs/packed-cache.md)
+	$(PY) -m quantmla_kernels.paged_cache.aot --out results/kernels_compile.json
+	$(PY) -m analysis.kernels results/kernels_compile.json
+
+gpu-check:   # the first GPU run, one command (< 10 min on one H200): the kernels compile table + hot decode launched vs predicted, gpu tests, a CUDA job vs its memory plan, latency --quick; one JSON report
 	$(PY) benchmarks/gpu_check.py --out results/gpu_check.json
 
 bench-gpu:   # Fig. 5b on one GPU (< 8 min), then its GPU-only tests; on a CPU: a function check

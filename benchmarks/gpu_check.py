@@ -1,5 +1,7 @@
 """`make gpu-check`: the project's first run on a GPU, as one command (< 8 min on one H200).
 
+0. the kernels' ahead-of-time compile table (`make kernels-compile`) on the device, and the hot
+   decode configurations launched for real beside what that table predicted;
 1. the `gpu`-marked tests (Triton kernels against their references on CUDA, generation on the GPU
    against the CPU);
 2. a perplexity job on a random-init model of DeepSeek-V2-Lite's published config (real MLA, MoE
@@ -108,8 +110,16 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "host": platform.node(),
-        "gpu_tests": _run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests"], 180),
     }
+    kernels = out.with_name("kernels_compile_device.json")
+    report["kernels"] = _run(
+        [sys.executable, "-m", "quantmla_kernels.paged_cache.aot", "--device-check", "--jobs", "16",
+         "--out", str(kernels)], 300,
+    )  # fmt: skip
+    if kernels.is_file():
+        report["kernels"]["device_check"] = json.loads(kernels.read_text()).get("device_check")
+    out.write_text(json.dumps(report, indent=1, default=str))
+    report["gpu_tests"] = _run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests"], 180)
     out.write_text(json.dumps(report, indent=1))  # partial results survive a later failure
     report["perplexity_job"] = perplexity_vs_plan("cuda", layers=args.layers)
     torch.cuda.empty_cache()
@@ -138,7 +148,8 @@ def main() -> None:
     if serve.is_file():
         report["serve_decode"]["results"] = json.loads(serve.read_text())
     out.write_text(json.dumps(report, indent=1, default=str))
-    failed = [k for k in ("gpu_tests", "latency_quick", "serve_decode") if report[k]["rc"] != 0]
+    failed = [k for k in ("kernels", "gpu_tests", "latency_quick", "serve_decode")
+              if report[k]["rc"] != 0]  # fmt: skip
     job = report["perplexity_job"]
     print(
         f"gpu-check on {report['device']}: gpu tests rc={report['gpu_tests']['rc']}; "

@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from quantmla_kernels.paged_cache.launch import compiles_for_gpu, launch
 from quantmla_kernels.paged_cache.layout import layout_constants
 from quantmla_kernels.paged_cache.pool import PagePool
 
@@ -26,6 +27,15 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
+
+# rows of a page dequantized and attended at once: a 16 × d_c tile keeps the kernel in registers
+# (a whole 64-token page at d_c 512 spilled on sm_80/sm_90: results/kernels_compile.json)
+DECODE_TILE = 16
+# heads per program and warps: a 16-head block in 8 warps holds the d_c = 512 accumulator, the
+# query and a tile in registers on sm_80 and sm_90 (222 registers, no spills); 32 or 64 heads, or
+# 16 in 4 warps, spill (results/kernels_compile.json). h_q = 128 runs eight head blocks.
+DECODE_BLOCK_H = 16
+DECODE_WARPS = 8
 
 # ------------------------------------------------------------------------------------- Triton
 
@@ -73,32 +83,33 @@ if triton is not None:
         for k in tl.static_range(1, WORD_BYTES):  # little-endian bytes of the word
             word = word | (tl.load(at + k).to(tl.int32) << (8 * k))
         codes = (word[:, :, None] >> (j[None, None, :] * BITS)) & MASK
-        codes = tl.reshape(codes.to(tl.float32), (TILE, DIM))
+        codes = codes.to(tl.float32)
         g = tl.arange(0, GROUPS)
         meta_at = page_base + rows[:, None] * (GROUPS * META_BYTES) + g[None, :] * META_BYTES
         scale = _load_meta(ptr, SCALES_AT + meta_at, META_BYTES)  # (TILE, GROUPS)
         zero = tl.load(ptr + page_base + ZEROS_AT + rows[:, None] * GROUPS + g[None, :]).to(
             tl.float32
         )
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (TILE, GROUPS, GROUP)), (TILE, DIM))
-        zero = tl.reshape(tl.broadcast_to(zero[:, :, None], (TILE, GROUPS, GROUP)), (TILE, DIM))
-        return (codes - zero) * scale
+        codes = tl.reshape(codes, (TILE, GROUPS, GROUP))  # the metadata broadcast, not copied
+        return tl.reshape((codes - zero[:, :, None]) * scale[:, :, None], (TILE, DIM))
 
     @triton.jit
     def _online_update(
         q, qr, c, k, keep, m_i, l_i, acc, scaling, DOT: tl.constexpr, PREC: tl.constexpr
     ):
         """One tile of the online softmax: scores, running max/sum, and PV with the same tile
-        (fp32 operands multiply exactly — PREC "ieee" — on CPU; BF16 operands on a GPU)."""
-        s = tl.dot(q.to(DOT), tl.trans(c.to(DOT)), input_precision=PREC)
-        s += tl.dot(qr.to(DOT), tl.trans(k.to(DOT)), input_precision=PREC)
+        (fp32 operands multiply exactly — PREC "ieee" — on CPU; BF16 operands on a GPU); q and
+        qr arrive in the dot dtype."""
+        c = c.to(DOT)
+        s = tl.dot(q, tl.trans(c), input_precision=PREC)
+        s += tl.dot(qr, tl.trans(k.to(DOT)), input_precision=PREC)
         s = tl.where(keep[None, :], s * scaling, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), c.to(DOT), input_precision=PREC)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), c, input_precision=PREC)
         return m_new, l_i, acc
 
     @triton.jit
@@ -140,6 +151,7 @@ if triton is not None:
         PREC: tl.constexpr,
         BF16_PAGES: tl.constexpr,
         PAGE: tl.constexpr,
+        TILE: tl.constexpr,
     ):
         b = tl.program_id(0)
         hb = tl.program_id(1)
@@ -159,11 +171,11 @@ if triton is not None:
             mask=hmask[:, None],
             other=0.0,
         )
+        q, qr = q.to(DOT), qr.to(DOT)  # once, not per tile
         m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_H,), tl.float32)
         acc = tl.zeros((BLOCK_H, D_C), tl.float32)
-        rows = tl.arange(0, PAGE)
-        if split < NUM_SPLITS:  # a run of packed pages
+        if split < NUM_SPLITS:  # a run of packed pages, TILE rows of a page at a time
             n_pages = tl.cdiv(T, PAGE)
             per_split = tl.cdiv(n_pages, NUM_SPLITS)
             first = split * per_split
@@ -171,49 +183,31 @@ if triton is not None:
             for page in range(first, last):
                 phys = tl.load(table_ptr + b.to(tl.int64) * max_pages + page).to(tl.int64)
                 base = phys * PAGE_BYTES  # int64 byte offset
-                pos = page * PAGE + rows
-                if BF16_PAGES:  # the baseline: every token a BF16 row of a paged cache
-                    keep = pos < T
-                    at = (phys * PAGE + rows[:, None]) * (D_C + D_R)
-                    c = tl.load(bf16_ptr + at + dc[None, :], mask=keep[:, None], other=0.0)
-                    k = tl.load(bf16_ptr + at + D_C + dr[None, :], mask=keep[:, None], other=0.0)
-                    c, k = c.to(tl.float32), k.to(tl.float32)
-                else:
-                    keep = (pos < T) & (pos >= SINK) & (pos < T - RECENT)
-                    c = _dequant_tile(
-                        store_ptr,
-                        base,
-                        rows,
-                        D_C,
-                        GROUP,
-                        C_BITS,
-                        C_WORD,
-                        C_META,
-                        C_CODES,
-                        C_SCALES,
-                        C_ZEROS,
-                        PAGE,
+                for sub in range(0, PAGE, TILE):  # not unrolled: one tile live at a time
+                    rows = sub + tl.arange(0, TILE)
+                    pos = page * PAGE + rows
+                    if BF16_PAGES:  # the baseline: every token a BF16 row of a paged cache
+                        keep = pos < T
+                        at = (phys * PAGE + rows[:, None]) * (D_C + D_R)
+                        c = tl.load(bf16_ptr + at + dc[None, :], mask=keep[:, None], other=0.0)
+                        k = tl.load(
+                            bf16_ptr + at + D_C + dr[None, :], mask=keep[:, None], other=0.0
+                        )
+                        c, k = c.to(tl.float32), k.to(tl.float32)
+                    else:
+                        keep = (pos < T) & (pos >= SINK) & (pos < T - RECENT)
+                        c = _dequant_tile(store_ptr, base, rows, D_C, GROUP, C_BITS, C_WORD,
+                                          C_META, C_CODES, C_SCALES, C_ZEROS, TILE)  # fmt: skip
+                        k = _dequant_tile(store_ptr, base, rows, D_R, GROUP, R_BITS, R_WORD,
+                                          R_META, R_CODES, R_SCALES, R_ZEROS, TILE)  # fmt: skip
+                        c = tl.where(keep[:, None], c, 0.0)  # stale bytes past T: never 0·NaN
+                        k = tl.where(keep[:, None], k, 0.0)
+                    m_i, l_i, acc = _online_update(
+                        q, qr, c, k, keep, m_i, l_i, acc, scaling, DOT, PREC
                     )
-                    k = _dequant_tile(
-                        store_ptr,
-                        base,
-                        rows,
-                        D_R,
-                        GROUP,
-                        R_BITS,
-                        R_WORD,
-                        R_META,
-                        R_CODES,
-                        R_SCALES,
-                        R_ZEROS,
-                        PAGE,
-                    )
-                    c = tl.where(keep[:, None], c, 0.0)  # rows past T hold stale bytes: never 0·NaN
-                    k = tl.where(keep[:, None], k, 0.0)
-                m_i, l_i, acc = _online_update(q, qr, c, k, keep, m_i, l_i, acc, scaling, DOT, PREC)
         else:  # the protected rows: sinks at their position, the ring at sink + pos % recent
-            for start in range(0, PROT_ROWS, PAGE):
-                r = start + rows
+            for start in range(0, PROT_ROWS, TILE):
+                r = start + tl.arange(0, TILE)
                 ring = r - SINK
                 pos = tl.where(r < SINK, r, (T - 1) - ((T - 1 - ring) % RECENT))
                 keep = (r < PROT_ROWS) & (pos >= 0) & (pos < T) & ((r < SINK) | (pos >= SINK))
@@ -273,6 +267,13 @@ def default_splits(
     return max(1, min(pages, math.ceil(target_programs / max(batch, 1))))
 
 
+def launch_configs(heads: int) -> list[dict]:
+    """The launch configurations a benchmark tunes over (BLOCK_H ≤ the heads, 4 or 8 warps)."""
+    return [
+        dict(block_h=bh, num_warps=w) for bh in (16, 32, 64) if bh <= max(16, heads) for w in (4, 8)
+    ]
+
+
 def stacked_inputs(pool: PagePool, request_ids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(page tables (B, max_pages) int64, lengths (B,) int32, protection (B, P, d_c + d_r))."""
     requests = [pool.request(r) for r in request_ids]
@@ -299,14 +300,14 @@ def launch_decode(
     num_splits: int | None = None,
     block_h: int | None = None,
     dot_dtype: torch.dtype | None = None,
-    num_warps: int = 4,
+    num_warps: int = DECODE_WARPS,
 ):
     """Both kernels on prepared inputs (graph-capturable; the benchmark calls it directly): the
     packed pages + `prot` rows, or with `bf16_pages` the same kernel over a BF16 paged cache."""
     B, H, _ = q_lat.shape
     splits = num_splits or default_splits(int(lens.max()), B, layout.page_tokens)
-    block_h = block_h or max(16, min(64, triton.next_power_of_2(H)))
-    interpreted = q_lat.device.type == "cpu"
+    block_h = block_h or DECODE_BLOCK_H
+    interpreted = not compiles_for_gpu(q_lat)
     dot = {
         None: tl.float32 if interpreted else tl.bfloat16,
         torch.float32: tl.float32,
@@ -319,7 +320,9 @@ def launch_decode(
         bf16_pages = bf16_pages.float()
     if interpreted and prot is not None:
         prot = prot.float()
-    _decode_split_kernel[(B, triton.cdiv(H, block_h), splits + 1)](
+    launch(
+        _decode_split_kernel,
+        (B, triton.cdiv(H, block_h), splits + 1),
         q_lat.float().contiguous(),
         q_rope.float().contiguous(),
         storage,
@@ -342,11 +345,14 @@ def launch_decode(
         PREC="ieee" if dot == tl.float32 else "tf32",
         BF16_PAGES=paged,
         PAGE=layout.page_tokens,
+        TILE=min(DECODE_TILE, layout.page_tokens),
         num_warps=num_warps,
     )
     out = torch.empty(B, H, layout.d_c, dtype=torch.float32, device=q_lat.device)
     out_lse = torch.empty(B, H, dtype=torch.float32, device=q_lat.device)
-    _merge_kernel[(B, H)](
+    launch(
+        _merge_kernel,
+        (B, H),
         o_part,
         lse_part,
         out,

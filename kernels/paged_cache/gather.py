@@ -8,6 +8,7 @@ import torch
 
 from quantmla.memory import CacheLayout
 from quantmla_kernels.paged_cache.decode import _dequant_tile
+from quantmla_kernels.paged_cache.launch import launch
 from quantmla_kernels.paged_cache.layout import layout_constants
 
 try:
@@ -70,7 +71,8 @@ def gather_pages(
             f"of {layout.d_c + layout.d_r}"
         )
     if n:
-        _gather_pages_kernel[(n,)](
+        launch(
+            _gather_pages_kernel, (n,),
             storage, pages.to(torch.int64).contiguous(), out,
             **layout_constants(layout), PAGE=layout.page_tokens,
         )  # fmt: skip

@@ -14,6 +14,7 @@ import torch
 
 from quantmla.errors import ConfigError, NonFiniteCacheError
 from quantmla.quant import SCALE_FLOOR
+from quantmla_kernels.paged_cache.launch import launch
 from quantmla_kernels.paged_cache.layout import check_packable, layout_constants
 from quantmla_kernels.paged_cache.pool import PagePool
 from quantmla_kernels.paged_cache.reference import (
@@ -214,7 +215,9 @@ if triton is not None:
 def _write_triton(storage, layout, pages, slots, c, k_r) -> None:
     if triton is None:  # pragma: no cover
         raise RuntimeError("backend=triton needs the triton package")
-    _writer_kernel[(c.shape[0],)](
+    launch(
+        _writer_kernel,
+        (c.shape[0],),
         c.float().contiguous(),
         k_r.float().contiguous(),
         pages.to(torch.int64).contiguous(),

@@ -167,7 +167,12 @@ def flashmla_step(pages_bf16, table, lens, q, qr):
 def run_case(batch, context, heads, rounds, reps, with_baselines=True) -> list[dict]:
     from quantmla.memory import layout
     from quantmla_kernels.paged_cache.baselines import dequantize_pages
-    from quantmla_kernels.paged_cache.decode import default_splits, launch_decode, stacked_inputs
+    from quantmla_kernels.paged_cache.decode import (
+        default_splits,
+        launch_configs,
+        launch_decode,
+        stacked_inputs,
+    )
     from quantmla_kernels.paged_cache.writer import _write_triton
 
     dev = "cuda"
@@ -181,9 +186,7 @@ def run_case(batch, context, heads, rounds, reps, with_baselines=True) -> list[d
         page,
         target_programs=torch.cuda.get_device_properties(0).multi_processor_count,
     )
-    configs = [
-        dict(block_h=bh, num_warps=w) for bh in (16, 32, 64) if bh <= max(16, heads) for w in (4, 8)
-    ]
+    configs = launch_configs(heads)
     variants, info = {}, {}
     pools = {}
     for precision in PRECISIONS:
