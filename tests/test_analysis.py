@@ -129,3 +129,34 @@ def test_fig5c_sweep_pairs_bf16_with_packed_per_policy_chunk_and_budget(tmp_path
     assert rows[2][3] == "1.50" and rows[2][4] == "12" and rows[2][-1] == "3.00x"
     assert rows[1][-1] == "1.10x" and rows[3][-1] == "4.00x" and rows[-1][-1] == "5.168x"
     assert all(p.stat().st_size > 1000 for p in fig5c_sweep(records, tmp_path, "s", paper))
+
+
+def test_kernels_compile_table_summarises_per_kernel_and_lists_hot_rows():
+    """From an aot report: per (kernel, arch) the count and worst resources; hot rows alone."""
+    from analysis.kernels import hot_rows, markdown, summary_rows
+
+    def entry(kernel, arch, regs, spill, shared, hot=False, problems=()):
+        return {
+            "kernel": kernel, "arch": arch, "paths": ["decode"], "formats": ["c4r4"], "d_c": [512],
+            "page": [64], "constexprs": {"BLOCK_H": "16", "TILE": "16", "PAGE": "64"},
+            "num_warps": 8, "registers": regs, "spill_stores": spill, "spill_loads": spill,
+            "shared_bytes": shared, "blocks_per_sm": 1, "cubin_bytes": 40960, "hot": hot,
+            "problems": list(problems),
+        }  # fmt: skip
+
+    report = {
+        "specialisations": 2, "recorded_launches": 5, "archs": {"80": "", "90": ""},
+        "triton": "3.9.0", "failures": ["x"],
+        "entries": [
+            entry("_decode_split_kernel", 90, 222, 0, 79872, hot=True),
+            entry("_decode_split_kernel", 90, 255, 64, 4096, problems=["spills"]),
+            entry("_writer_kernel", 80, 40, 0, 0),
+        ],
+    }  # fmt: skip
+    rows = summary_rows(report)
+    assert rows[1][:3] == ["_decode_split_kernel", "sm_90", "2"]
+    assert rows[1][4:7] == ["255", "64 / 64", "78.0"] and rows[1][-1] == "1"
+    assert rows[2][:3] == ["_writer_kernel", "sm_80", "1"]
+    hot = hot_rows(report)
+    assert len(hot) == 2 and hot[1][3] == "BLOCK_H 16, TILE 16, PAGE 64" and hot[1][7] == "0 / 0"
+    assert markdown(report).startswith("2 specialisations (from 5 recorded launches) x 2 archs")

@@ -211,6 +211,27 @@ def test_every_python_m_command_in_the_docs_exists(page):
         assert re.search(rf"(?m)^{target}:", (REPO / "Makefile").read_text()), target
 
 
+def _conf_commands(text: str) -> list[str]:
+    """`python -m ...` commands in a config's comments, each up to a bracket, `;` or line end."""
+    found = []
+    for comment in re.findall(r"(?m)#(.*)$", text):
+        for piece in comment.split("python -m ")[1:]:
+            found.append("python -m " + re.split(r"[();`]", piece)[0].strip())
+    return found
+
+
+@pytest.mark.parametrize(
+    "config", sorted((REPO / "conf").rglob("*.yaml")), ids=lambda p: str(p.relative_to(REPO))
+)
+def test_every_python_m_command_in_conf_comments_exists(config):
+    """The regeneration commands an experiment advertises work as written."""
+    for command in _conf_commands(config.read_text()):
+        _check_command(command)
+        experiment = re.search(r"--experiment (\S+)", command)
+        if experiment:
+            assert experiment[1] in _groups()["experiment"], command
+
+
 def test_generated_table_blocks_equal_their_files():
     blocks = 0
     for page in DOCS:
