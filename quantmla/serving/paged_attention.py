@@ -180,29 +180,46 @@ def _spans(jj, first: int, last: int, exact: bool, spec, sink: int, recent: int)
     return [(0, sinks), (max(sinks, upto(first - recent)), end)]
 
 
+def _reads(i, j, exact: bool, spec, sink: int, recent: int):
+    """Whether query position(s) i read key position(s) j in this copy (the rule; broadcasts)."""
+    mask = j <= i
+    if spec.quantized:
+        mask = mask & (((j < sink) | (i - j < recent)) == exact)
+    return mask
+
+
 def _blocks(positions, parts, spec, sink, recent):
-    """Per block of `PREFILL_BLOCK[quantized]` queries: (a, b, keys, values, mask) with only the keys some
-    query of the block reads, from every part, concatenated (a part's keys are found by their
-    positions' ranges, so a block reads both copies of at most as many keys as it has queries)."""
+    """Per block of `PREFILL_BLOCK[quantized]` queries: (a, b, keys, values, mask) with only the
+    keys some query of the block reads, from every part, concatenated (a part's keys are found by
+    their positions' ranges, so a block reads both copies of at most as many keys as it has
+    queries). The queries that read a key form an interval of positions, so a key every query of
+    the block reads is found from the block's first and last query; the mask is computed only
+    for the other keys (the band near the diagonal)."""
     size = PREFILL_BLOCK[spec.quantized]
     for a in range(0, positions.shape[0], size):
         b = min(positions.shape[0], a + size)
         i = positions[a:b, None]
         first, last = int(positions[a]), int(positions[b - 1])
-        pieces = []
+        pieces, width = [], 0
         for jj, keys, values, exact in parts:
             for lo, hi in _spans(jj, first, last, exact, spec, sink, recent):
                 if lo >= hi:
                     continue
-                j = jj[None, lo:hi]
-                mask = j <= i
-                if spec.quantized:
-                    mask = mask & (((j < sink) | (i - j < recent)) == exact)
-                pieces.append((keys[:, lo:hi], values[:, lo:hi], mask))
-        if pieces:
-            keys, values, mask = (torch.cat(x, dim=-2 if x[0].dim() == 3 else -1)
-                                  for x in zip(*pieces))  # fmt: skip
-            yield a, b, keys, values, mask
+                j = jj[lo:hi]
+                full = _reads(first, j, exact, spec, sink, recent)
+                full &= _reads(last, j, exact, spec, sink, recent)
+                banded = (~full).nonzero().squeeze(1)
+                pieces.append((keys[:, lo:hi], values[:, lo:hi], width, j[banded], banded, exact))
+                width += hi - lo
+        if not pieces:
+            continue
+        mask = torch.ones(b - a, width, dtype=torch.bool, device=positions.device)
+        for _, _, offset, j, banded, exact in pieces:
+            if banded.numel():
+                mask[:, offset + banded] = _reads(i, j[None, :], exact, spec, sink, recent)
+        keys = torch.cat([p[0] for p in pieces], dim=-2)
+        values = torch.cat([p[1] for p in pieces], dim=-2)
+        yield a, b, keys, values, mask
 
 
 def context_reader(storage, layout: CacheLayout, table_row, workspace, kernel: str):
