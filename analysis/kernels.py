@@ -21,7 +21,7 @@ SHOWN = ("BLOCK_H", "TILE", "PAGE", "BLOCK_S")  # the launch-shape constexprs a 
 
 def summary_rows(report: dict) -> list[list[str]]:
     rows = [[
-        "kernel", "arch", "specialisations", "paths", "registers (max)", "spill st/ld (max, B)",
+        "kernel", "arch", "specialisations", "paths", "registers (max)", "spill st/ld (max, instr.)",
         "shared (max, KB)", "blocks/SM (min)", "cubin (max, KB)", "failing",
     ]]  # fmt: skip
     groups: dict[tuple, list[dict]] = {}
@@ -45,7 +45,7 @@ def summary_rows(report: dict) -> list[list[str]]:
 
 def hot_rows(report: dict) -> list[list[str]]:
     rows = [[
-        "formats", "d_c", "page", "launch shape", "warps", "arch", "registers", "spill st/ld (B)",
+        "formats", "d_c", "page", "launch shape", "warps", "arch", "registers", "spill st/ld (instr.)",
         "shared (KB)", "blocks/SM", "cubin (KB)",
     ]]  # fmt: skip
     for e in report["entries"]:
