@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -73,12 +73,11 @@ class Case:
     """One launch a GPU path makes: which path, the cache format and geometry it runs."""
 
     path: str
-    kernel: str
     precision: str = ""
     d_c: int = 0
     heads: int = 0
     page: int = 0
-    extra: dict = field(default_factory=dict)
+    kernel: str = ""  # filled from the recorded launch
 
 
 def _layout(precision, d_c, d_r, page):
@@ -104,7 +103,7 @@ def record_launches(formats=None) -> list[tuple[Case, Launch]]:
     def take(case, launcher, *args, **kwargs):
         with recording() as launches:
             launcher(*args, **kwargs)
-        out.extend((Case(**{**case.__dict__, "kernel": launch.kernel.__name__}), launch)
+        out.extend((replace(case, kernel=launch.kernel.__name__), launch)
                    for launch in launches)  # fmt: skip
 
     for precision in formats:
@@ -115,16 +114,16 @@ def record_launches(formats=None) -> list[tuple[Case, Launch]]:
                 storage = torch.zeros(n, lay.page_bytes(), dtype=torch.uint8)
                 pages = torch.zeros(n, dtype=torch.int64)
                 rows = torch.zeros(n, d_c), torch.zeros(n, d_r)
-                take(Case("writer", "", precision, d_c, 0, page), write_slots, storage, lay,
+                take(Case("writer", precision, d_c, 0, page), write_slots, storage, lay,
                      pages, torch.arange(n), *rows, "triton")  # fmt: skip
                 workspace = torch.zeros(n * page, d_c + d_r, dtype=torch.bfloat16)
-                take(Case("context gather", "", precision, d_c, 0, page), gather_pages, storage,
+                take(Case("context gather", precision, d_c, 0, page), gather_pages, storage,
                      lay, pages, workspace)  # fmt: skip
                 for heads in HEADS:  # the serving backend's and the packed cache's decode
                     for prot_dtype in PROTECTION_DTYPES:
                         for batch, context in ((1, 32768), (8, 4096)):  # merge widths
                             args = _decode_inputs(lay, batch, heads, context, prot_dtype)
-                            take(Case("decode", "", precision, d_c, heads, page),
+                            take(Case("decode", precision, d_c, heads, page),
                                  launch_decode, **args)  # fmt: skip
     for precision in BENCH_FORMATS:  # the latency harness (Fig. 5b): tuned launch configs
         if precision not in formats:
@@ -134,9 +133,9 @@ def record_launches(formats=None) -> list[tuple[Case, Launch]]:
             args = _decode_inputs(lay, 4, heads, 8192, torch.bfloat16)
             bf16 = torch.zeros(args["storage"].shape[0], 64, 576, dtype=torch.bfloat16)
             for config in launch_configs(heads):
-                take(Case("latency harness", "", precision, 512, heads, 64, config),
+                take(Case("latency harness", precision, 512, heads, 64),
                      launch_decode, **args, **config)  # fmt: skip
-                take(Case("latency harness (BF16 pages)", "", "bf16", 512, heads, 64, config),
+                take(Case("latency harness (BF16 pages)", "bf16", 512, heads, 64),
                      launch_decode, **{**args, "prot": None}, bf16_pages=bf16, **config)  # fmt: skip
     return out
 
@@ -176,16 +175,6 @@ def specialisations(recorded) -> dict[tuple, list[tuple[Case, Launch]]]:
 
 
 # ------------------------------------------------------------------------------------- compile
-
-
-def _jit_function(kernel):
-    """The JITFunction behind a launch (under TRITON_INTERPRET=1 the decorator made an
-    interpreter object, which cannot be compiled: refuse)."""
-    from triton.runtime.jit import JITFunction
-
-    if not isinstance(kernel, JITFunction):
-        raise RuntimeError("compile the kernels without TRITON_INTERPRET=1")
-    return kernel
 
 
 def _nvidia_tool(name: str) -> str:
@@ -241,8 +230,7 @@ def compile_one(launch: Launch, cc: int) -> dict:
     from triton.compiler import ASTSource
     from triton.runtime.jit import create_function_from_signature
 
-    arch = ARCHS[cc]
-    kernel = _jit_function(launch.kernel)
+    arch, kernel = ARCHS[cc], launch.kernel
     target = GPUTarget("cuda", cc, 32)
     backend = backends["nvidia"].compiler(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
@@ -330,6 +318,9 @@ def _describe(key, cases) -> dict:
 
 
 def run(archs=(80, 90), jobs: int = 2, hot_only: bool = False, formats=None) -> dict:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("error: compile the kernels without TRITON_INTERPRET=1 (the interpreter "
+                         "replaces the compiled kernels)")  # fmt: skip
     recorded = record_launches(formats)
     table = specialisations(recorded)
     if hot_only:
@@ -338,17 +329,12 @@ def run(archs=(80, 90), jobs: int = 2, hot_only: bool = False, formats=None) -> 
     print(f"[kernels] {len(table)} distinct specialisations from {len(recorded)} recorded "
           f"launches; compiling each for {', '.join(ARCHS[a].name for a in archs)}", flush=True)  # fmt: skip
     tasks = [(*_portable(table[k][0][1]), cc) for k in keys for cc in archs]
-    env_interp = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
-            results = []
-            for i, result in enumerate(pool.map(_compile_task, tasks), 1):
-                results.append(result)
-                if i % 10 == 0 or i == len(tasks):
-                    print(f"[kernels] compiled {i}/{len(tasks)}", flush=True)
-    finally:
-        if env_interp is not None:
-            os.environ["TRITON_INTERPRET"] = env_interp
+    with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
+        results = []
+        for i, result in enumerate(pool.map(_compile_task, tasks), 1):
+            results.append(result)
+            if i % 10 == 0 or i == len(tasks):
+                print(f"[kernels] compiled {i}/{len(tasks)}", flush=True)
     entries, failures = [], []
     for i, key in enumerate(keys):
         described = _describe(key, [c for c, _ in table[key]])
@@ -372,10 +358,10 @@ def run(archs=(80, 90), jobs: int = 2, hot_only: bool = False, formats=None) -> 
     }
 
 
-def device_check() -> list[dict]:
+def device_check(report: dict) -> list[dict]:
     """On a CUDA device: each hot decode specialisation launched for real (Triton's JIT, the
-    device's own arch), its registers, spills and shared memory beside this module's prediction
-    for that arch — what ran against what was predicted."""
+    device's own arch), its registers, spills and shared memory beside the prediction for that
+    arch — the report's entry, compiled here only for an arch the report lacks."""
     major, minor = torch.cuda.get_device_capability()
     cc = 10 * major + minor
     if cc not in ARCHS:
@@ -385,7 +371,13 @@ def device_check() -> list[dict]:
         if not any(is_hot(c) for c, _ in cases):
             continue
         launch = cases[0][1]
-        predicted = compile_one(launch, cc)
+        described = _describe(specialisation_key(launch), [c for c, _ in cases])
+        same = ("kernel", "constexprs", "num_warps", "argument_kinds")
+        predicted = next(
+            (e for e in report["entries"]
+             if e["arch"] == cc and all(e[k] == described[k] for k in same)),
+            None,
+        ) or compile_one(launch, cc)  # fmt: skip
 
         def cuda(v):
             return v.cuda() if isinstance(v, torch.Tensor) else v
@@ -394,7 +386,6 @@ def device_check() -> list[dict]:
             *map(cuda, launch.args), **{k: cuda(v) for k, v in launch.kwargs.items()}
         )
         torch.cuda.synchronize()
-        described = _describe(specialisation_key(launch), [c for c, _ in cases])
         rows.append({
             **{k: described[k] for k in ("kernel", "formats", "d_c", "page", "num_warps")},
             "arch": cc,
@@ -421,7 +412,7 @@ def main(argv=None) -> int:
     report = run(tuple(args.arch), args.jobs, args.hot, args.formats)
     if args.device_check:
         report["device"] = torch.cuda.get_device_name(0)
-        report["device_check"] = device_check()
+        report["device_check"] = device_check(report)
         for row in report["device_check"]:
             print(f"  device {row['formats']} page {row['page']}: predicted {row['predicted']}, "
                   f"ran {row['measured']}")  # fmt: skip
