@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 from quantmla.config import DTYPES, FP8_MODES, LOGGERS
 from quantmla.errors import ConfigError, DataNotFoundError, NotImplementedYet
-from quantmla.paths import Paths, check_safetensors, hub_offline, local_config_json
+from quantmla.paths import Paths, hub_offline, local_config_json
 from quantmla.policy import CachePolicy
 
 
@@ -136,8 +136,10 @@ def resolve(cfg) -> Job:
             f"implemented: {', '.join(k for k, e in EVALUATORS.items() if e.implemented)}"
         )
     if evaluator.needs_model:  # the environment, after every field
+        from quantmla.models.loading import check_checkpoint
+
         check_checkpoint_reachable(cfg, paths)
-        check_safetensors(paths.checkpoint(cfg.model.path))
+        check_checkpoint(paths.checkpoint(cfg.model.path))
         check_fp8_native(cfg, model_config)
     config = narrow_precision(
         narrow_eval(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))

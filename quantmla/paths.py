@@ -94,10 +94,12 @@ def hub_offline(timeout_s: float = 3.0) -> bool:
     return False
 
 
-def check_safetensors(folder: str | os.PathLike) -> None:
+def check_safetensors(folder: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """Every `*.safetensors` file of a local checkpoint is whole: its size equals the 8-byte header
     length + the JSON header + the last tensor's end offset. One line naming the file otherwise
-    (a truncated copy used to surface as a 25-line SafetensorError naming nothing)."""
+    (a truncated copy used to surface as a 25-line SafetensorError naming nothing). Returns every
+    tensor's shape, from the headers (nothing else is read)."""
+    shapes = {}
     for file in sorted(Path(folder).glob("*.safetensors")):
         size = file.stat().st_size
         try:
@@ -106,10 +108,9 @@ def check_safetensors(folder: str | os.PathLike) -> None:
                 if header_len <= 0 or 8 + header_len > size:
                     raise ValueError(f"header of {header_len} bytes")
                 header = json.loads(f.read(header_len))
-            end = max(
-                (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
-                default=0,
-            )
+            header.pop("__metadata__", None)
+            end = max((v["data_offsets"][1] for v in header.values()), default=0)
+            shapes.update({name: tuple(v["shape"]) for name, v in header.items()})
         except (ValueError, KeyError, TypeError) as err:
             raise CheckpointError(f"{file}: not a readable safetensors file ({err})") from None
         if size != 8 + header_len + end:
@@ -117,3 +118,4 @@ def check_safetensors(folder: str | os.PathLike) -> None:
                 f"{file}: truncated or corrupt ({size:,} bytes; its header describes "
                 f"{8 + header_len + end:,}); copy the checkpoint again"
             )
+    return shapes

@@ -63,6 +63,30 @@ def test_deepseek_v3_parameters_fp8_bytes_and_blocks_by_hand():
     assert 673.0e9 < fp8 < 673.5e9 < 8 * 137e9 < counts.weight_bytes("bfloat16")  # 1.34 TB
 
 
+def test_longcat_flash_lite_parameters_by_hand():
+    """What the checkpoint holds: the n-gram tables and projections, 28 MLA blocks with their dense
+    MLPs, 14 MoE layers whose 256 routed experts have weights and 128 zero experts none."""
+    hidden, vocab, heads = 3072, 131072, 32
+    tables = [78 * vocab + 2 * i + 1 for i in range(12)]  # 4 splits × orders 2..4, odd moduli
+    ngram = sum(rows * 256 for rows in tables) + 12 * hidden * 256  # tables + bias-free projections
+    block = (
+        1536 * hidden + 1536  # q_a_proj, q_a_layernorm
+        + heads * (128 + 64) * 1536  # q_b_proj
+        + (512 + 64) * hidden + 512  # kv_a_proj_with_mqa, kv_a_layernorm
+        + heads * (128 + 128) * 512  # kv_b_proj
+        + hidden * heads * 128  # o_proj
+        + 2 * hidden  # input and post-attention norms
+        + 3 * hidden * 6144  # the block's dense MLP
+    )  # fmt: skip
+    moe = 256 * 3 * 1024 * hidden + (256 + 128) * hidden  # routed experts, router over 384
+    total = 2 * vocab * hidden + hidden + ngram + 28 * block + 14 * moe
+    counts = param_counts(config_from_file(CONFIGS / "longcat-flash-lite.json"))
+    assert counts.total == total
+    assert abs(total - 68.5e9) <= 0.01 * 68.5e9  # the model card's 68.5B
+    assert ngram > 30e9  # "over 30B of them in the n-gram embedding"
+    assert counts.weight_bytes("bfloat16") > 141e9 - 4e9  # BF16 needs a second H200
+
+
 def _plan(*overrides):
     proc = subprocess.run(
         [sys.executable, "-m", "quantmla.plan", *overrides],
@@ -88,6 +112,10 @@ def test_plan_of_the_sensitivity_sweep_on_one_8_gpu_node(launcher):
     assert v3[2] == "673.2" and v3[3] == "3.58"  # weights GB; capture 8 × 512 × 7168 × 2 B × 61
     lite = rows["deepseek_v2_lite c4r4 rtn sensitivity"].split(" | ")
     assert lite[1:3] == ["bfloat16", "31.4"]
+    longcat = rows["longcat_flash_lite c4r4 rtn sensitivity"]  # the n-gram tables counted
+    assert longcat.split(" | ")[1:3] == ["bfloat16", "137.1"] and longcat.endswith(
+        "| 2 | 8 | yes |"
+    )
 
 
 def test_plan_without_fp8_native_does_not_fit_one_node():

@@ -151,9 +151,10 @@ class Glm4MoeLiteAdapter(MLAAdapter):
 
 class LongcatFlashAdapter(MLAAdapter):
     """LongCat-Flash: two MLA blocks per decoder layer (cache indices 2l, 2l+1), `mla_scale_*` factors,
-    always interleaved RoPE. The cached latent includes `mla_scale_kv_lora`, as the module caches it."""
+    always interleaved RoPE. The cached latent includes `mla_scale_kv_lora`, as the module caches it.
+    LongCat-Flash-Lite (`longcat_flash_ngram`, quantmla.models.longcat_ngram) has the same blocks."""
 
-    model_types = ("longcat_flash",)
+    model_types = ("longcat_flash", "longcat_flash_ngram")
     modeling_module = "longcat_flash.modeling_longcat_flash"
     attention_class_name = "LongcatFlashMLA"
 

@@ -4,6 +4,7 @@ configs shrunk for tests, and the project's tiny model. Never `trust_remote_code
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from pathlib import Path
@@ -14,10 +15,8 @@ from quantmla.errors import ConfigError
 from quantmla.models.adapters import ADAPTERS, MODEL_TYPE_ALIASES
 from quantmla.paths import check_safetensors, local_config_json
 
-# Published model_types with no transformers class, mapped onto the family that runs their MLA.
-# longcat_flash_ngram: LongCat-Flash-Lite's n-gram embedding front end has no class here; its
-# decoder (and so every MLA block) is LongCat-Flash's. Only used for random-init tests.
-CONFIG_ONLY_ALIASES = {"longcat_flash_ngram": "longcat_flash"}
+# Published model_types with no transformers class: ours, registered with the Auto classes on import.
+OWN_FAMILIES = {"longcat_flash_ngram": "quantmla.models.longcat_ngram"}
 _DROP_KEYS = ("auto_map", "quantization_config", "transformers_version", "architectures")
 
 
@@ -29,11 +28,13 @@ def config_from_dict(raw: dict, keep_quantization: bool = False):
     drop = set(_DROP_KEYS) - ({"quantization_config"} if keep_quantization else set())
     fields = {k: v for k, v in raw.items() if k not in drop}
     model_type = fields.pop("model_type", None)
-    model_type = MODEL_TYPE_ALIASES.get(model_type, CONFIG_ONLY_ALIASES.get(model_type, model_type))
+    model_type = MODEL_TYPE_ALIASES.get(model_type, model_type)
     if model_type not in ADAPTERS:
         raise ConfigError(
             "model_type", raw.get("model_type"), sorted(ADAPTERS) + sorted(MODEL_TYPE_ALIASES)
         )
+    if model_type in OWN_FAMILIES:
+        importlib.import_module(OWN_FAMILIES[model_type])
     return AutoConfig.for_model(model_type, **fields)
 
 
@@ -47,6 +48,21 @@ def checkpoint_config(path_or_id: str):
     return config_from_file(found) if found is not None else None
 
 
+def check_checkpoint(path_or_id: str) -> None:
+    """A local checkpoint's safetensors files are whole, and its family's own tensors (LongCat-Flash-
+    Lite's n-gram tables) are there with their shapes: one line naming the file or tensor, from the
+    headers alone, before anything loads (transformers would initialise a missing table at random)."""
+    shapes = check_safetensors(path_or_id)  # a hub id is no folder: nothing to check
+    found = local_config_json(path_or_id)
+    if not shapes or found is None:
+        return
+    raw = json.loads(found.read_text())
+    if raw.get("model_type") == "longcat_flash_ngram":
+        from quantmla.models.longcat_ngram import check_ngram_tensors
+
+        check_ngram_tensors(shapes, config_from_dict(raw), str(path_or_id))
+
+
 def shrink_config(
     config,
     num_layers: int = 2,
@@ -55,18 +71,21 @@ def shrink_config(
     n_experts: int = 4,
     ffn_size: int = 64,
     dtype: torch.dtype = torch.float32,
+    ngram_ratio: int = 4,
 ):
-    """Fewer layers, experts, vocab and FFN width; MLA dims and RoPE settings untouched.
+    """Fewer layers, experts, vocab, FFN width (and n-gram rows); MLA dims and RoPE untouched.
 
     Heads are capped at `max_heads` (the 64/128-head models), everything else of attention is kept.
     Layer 0 stays dense and layer 1 MoE, so both MLP kinds run.
     """
     c = config
-    if c.model_type == "longcat_flash":
+    if c.model_type.startswith("longcat_flash"):
         c.num_layers = max(1, num_layers // 2)  # two MLA blocks per decoder layer
         c.ffn_hidden_size = c.expert_ffn_hidden_size = ffn_size
         c.moe_topk = min(2, n_experts)
         c.zero_expert_num = min(getattr(c, "zero_expert_num", 0) or 0, 2)
+        if getattr(c, "ngram_vocab_size_ratio", None):  # n-gram tables of 4·vocab rows, not 78·
+            c.ngram_vocab_size_ratio = min(c.ngram_vocab_size_ratio, ngram_ratio)
     else:
         c.num_hidden_layers = num_layers
         c.intermediate_size = c.moe_intermediate_size = ffn_size
@@ -124,7 +143,7 @@ def load_pretrained(
     from quantmla.models.fp8 import dequantize_checkpoint
     from quantmla.models.sizes import is_fp8_checkpoint
 
-    check_safetensors(path_or_id)  # a hub id is no folder: nothing to check
+    check_checkpoint(path_or_id)
     found = local_config_json(path_or_id)
     raw = json.loads(found.read_text()) if found is not None else {}
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)

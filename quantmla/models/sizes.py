@@ -5,7 +5,9 @@ with two routed experts; every count is linear in the number of experts, so the 
 follows exactly without building hundreds of experts. Parameters are split into the ones an FP8
 block-quantized checkpoint (DeepSeek-V3 format) stores as E4M3 with a float32 scale per block —
 every projection matrix and routed or shared expert — and the ones it keeps in BF16 (embeddings,
-`lm_head`, norms, the router).
+n-gram tables included, `lm_head`, norms, the router). LongCat-Flash-Lite counts as its checkpoint
+holds it: n-gram tables and projections, weights for its 256 routed experts, none for the 128
+zero-computation ones (quantmla.models.longcat_ngram).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 KEPT_HIGH_PRECISION = (
     "embed_tokens",
+    "ngram_embeddings.embedders",  # LongCat-Flash-Lite's n-gram tables: embeddings too
     "lm_head",
     "norm",
     "layernorm",
