@@ -12,7 +12,9 @@ import torch
 from quantmla.errors import CheckpointError, ConfigError
 from quantmla.models.loading import config_from_dict, config_from_file, load_pretrained
 from quantmla.models.longcat_ngram import hash_powers, ngram_ids
-from tests.conftest import REPO
+from tests.conftest import DATA_DIR, REPO
+
+needs_data = pytest.mark.skipif(not DATA_DIR.is_dir(), reason="needs the shared data")
 
 LITE = REPO / "assets" / "model-configs" / "longcat-flash-lite.json"
 
@@ -345,3 +347,118 @@ def test_an_fp8_checkpoint_loads_dequantized(saved, tmp_path):
     )
     expert = loaded.model.layers[1].mlp.experts.gate_up_proj
     assert expert.shape[0] == model.config.n_routed_experts
+
+
+def test_lm_eval_hflm_scores_and_generates_padded_batches_as_single_requests():
+    """lm-eval's HFLM pads loglikelihood batches on the right (no token looks forward, so nothing
+    changes) and generation batches on the left (padding counts as missing history)."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    model, tokenizer = twin()
+    texts = ["The cat sat on", "A much longer context, with more words than the others", "Hi"]
+    pairs = [(t, " the mat") for t in texts]
+
+    def requests(kind, args):
+        return [Instance(kind, {}, a, idx=i) for i, a in enumerate(args)]
+
+    batched = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=3, device="cpu")
+    single = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1, device="cpu")
+    scores = batched.loglikelihood(requests("loglikelihood", pairs))
+    for (context, continuation), (logprob, _) in zip(pairs, scores):
+        ctx = tokenizer(context)["input_ids"]
+        cont = tokenizer(context + continuation)["input_ids"][len(ctx) :]
+        ids = torch.tensor([ctx + cont])
+        with torch.no_grad():
+            logp = model(ids).logits.log_softmax(-1)[0, len(ctx) - 1 : -1]
+        assert logprob == pytest.approx(
+            logp.gather(1, torch.tensor(cont)[:, None]).sum().item(), rel=1e-6
+        )
+    until = {"until": ["\n\n"], "max_gen_toks": 4, "do_sample": False}
+    gen = [(t, until) for t in texts]
+    assert batched.generate_until(requests("generate_until", gen)) == single.generate_until(
+        requests("generate_until", gen)
+    )
+
+
+# -- the project's jobs on the twin -----------------------------------------------------------
+
+
+def twin_job(tmp_path, folder, *overrides):
+    from tests.conftest import run_config, tiny_job
+
+    return run_config(
+        *tiny_job(tmp_path),
+        "model=longcat_flash_lite",
+        f"model.path={folder}",
+        "model.device=cpu",
+        "model.dtype=float32",
+        "model.eval_seqlen=128",
+        *overrides,
+    )
+
+
+@needs_data
+def test_rtn_and_sensitivity_jobs_run_on_its_mla_blocks(saved, tmp_path):
+    from quantmla.run import run
+
+    folder, model = saved
+    blocks = 2 * model.config.num_layers
+    record = run(twin_job(tmp_path, folder, "method=rtn", "precision=c4r4", "eval.nmse_windows=1"))
+    assert len(record["metrics"]["nmse/attn_layers"]) == blocks
+    assert record["metrics"]["ppl/wikitext2"] > 1
+    record = run(
+        twin_job(tmp_path, folder, "eval=sensitivity", "eval.n_sequences=2", "eval.seqlen=128")
+    )
+    assert record["metrics"]["sensitivity/layers"] == list(range(blocks))
+    assert all(r > 0 for r in record["metrics"]["sensitivity/R_content"])
+
+
+@needs_data
+def test_quantmla_calibrates_fuses_and_passes_the_equivalence_check(saved, tmp_path):
+    from quantmla.run import run
+
+    folder, _ = saved
+    calibration = ["n_calibration=4", "n_heldout=2", "steps=4", "select_every=2", "batch_size=2"]
+    record = run(
+        twin_job(
+            tmp_path, folder, "method=quantmla", "precision=c4r4",
+            *(f"method.calibration.{c}" for c in calibration),
+        )
+    )  # fmt: skip
+    m = record["metrics"]
+    assert m["equivalence/max_layer_rel_error"] <= m["equivalence/tolerance"]
+
+
+@needs_data
+def test_export_reloads_to_the_jobs_perplexity(saved, tmp_path):
+    from quantmla import patch_model
+    from quantmla.checkpoint import load_manifest
+    from quantmla.data import load_text, perplexity_windows, tokenize
+    from quantmla.evaluation.perplexity import perplexity
+    from quantmla.export import export
+    from quantmla.run import run
+    from tests.test_export import export_config
+
+    folder, _ = saved
+    common = [
+        "model=longcat_flash_lite", f"model.path={folder}", "model.device=cpu",
+        "model.dtype=float32", "model.eval_seqlen=128", "method=smoothquant",
+        "method.calibration.n_calibration=4", "method.calibration.n_heldout=2",
+        f"paths.data_dir={DATA_DIR}", f"paths.results_dir={tmp_path}/results",
+    ]  # fmt: skip
+    record = run(twin_job(tmp_path / "results", folder, *common[5:]))
+    out = export(export_config(*common, f"out={tmp_path}/export"))
+    manifest = load_manifest(out)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "longcat_flash_ngram"
+    model, tokenizer = load_pretrained(str(out), dtype="float32")
+    patch_model(
+        model,
+        manifest["precision"],
+        group_size=manifest["quantizer"]["group_size"],
+        **manifest["protection"],
+    )
+    windows = perplexity_windows(
+        tokenize(load_text("wikitext2", "test", DATA_DIR), tokenizer), 128, 1
+    )
+    assert perplexity(model, windows) == record["metrics"]["ppl/wikitext2"]
