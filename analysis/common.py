@@ -1,5 +1,6 @@
 """What the table and figure builders share: the results store's default root, output names of
-an artifact's twins, the per-cell label of a study record, and byte-deterministic figure saving."""
+an artifact's twins, the per-cell label of a study record, byte-deterministic figure saving and
+the `--wandb` flag."""
 
 from __future__ import annotations
 
@@ -26,6 +27,28 @@ def default_results_dir() -> Path:
     from quantmla.paths import Paths
 
     return Paths.from_config(PathsConfig()).results_dir
+
+
+def add_wandb_arguments(parser) -> None:
+    """`--wandb`: also log the regenerated artifact to the experiment's W&B `artifact` run."""
+    parser.add_argument(
+        "--wandb",
+        action="store_true",
+        help="log it to W&B (one artifact run per experiment, with the records; offline unless "
+        "WANDB_MODE=online)",
+    )
+    for flag, default in (("--project", "quantmla"), ("--entity", None)):
+        if not any(flag in a.option_strings for a in parser._actions):
+            parser.add_argument(flag, default=default)
+
+
+def wandb_logger(args):
+    """The logger settings of `--wandb` (conf/logger/wandb.yaml's fields)."""
+    import os
+    from types import SimpleNamespace
+
+    mode = os.environ.get("WANDB_MODE", "offline")
+    return SimpleNamespace(name="wandb", project=args.project, entity=args.entity, mode=mode)
 
 
 def output_name(name: str, experiment: str, default: str) -> str:

@@ -25,7 +25,14 @@ from pathlib import Path
 import yaml
 
 from analysis import frontier, probes, sensitivity, throughput
-from analysis.common import default_results_dir, output_name, pyplot, save
+from analysis.common import (
+    add_wandb_arguments,
+    default_results_dir,
+    output_name,
+    pyplot,
+    save,
+    wandb_logger,
+)
 from quantmla.tracking.store import load_records
 
 PAPER = Path(__file__).with_name("paper_numbers.yaml")
@@ -282,6 +289,7 @@ def main() -> None:
         "--results", default=None, help="results store (default: paths.results_dir)"
     )
     parser.add_argument("--out", default="docs")
+    add_wandb_arguments(parser)
     args = parser.parse_args()
     draw, default = _figures()[args.figure]
     experiment = args.experiment or default
@@ -292,8 +300,15 @@ def main() -> None:
             f"error: no records in {root / experiment}; run `python -m quantmla.run "
             f"experiment={experiment}` first (nothing was written)"
         )
-    for path in draw(records, Path(args.out), experiment, default):
+    written = draw(records, Path(args.out), experiment, default)
+    for path in written:
         print(f"wrote {path}")
+    if args.wandb:
+        from quantmla.tracking.wandb_mirror import log_artifacts
+
+        log_artifacts(
+            experiment, wandb_logger(args), figures=written, records_dir=root / experiment
+        )
 
 
 if __name__ == "__main__":

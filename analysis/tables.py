@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from analysis import frontier, probes, sensitivity, throughput
-from analysis.common import default_results_dir, output_name
+from analysis.common import add_wandb_arguments, default_results_dir, output_name, wandb_logger
 from quantmla.methods.registry import METHODS
 from quantmla.tracking.store import load_records
 
@@ -259,6 +259,7 @@ def main() -> None:
     parser.add_argument("--project", default="quantmla")
     parser.add_argument("--entity", default=None)
     parser.add_argument("--out", default="docs/tables")
+    add_wandb_arguments(parser)
     args = parser.parse_args()
     paper = yaml.safe_load(PAPER_NUMBERS.read_text())
     if args.table in STUDY_TABLES:
@@ -294,6 +295,11 @@ def main() -> None:
     (out / f"{name}.tex").write_text(to_latex(rows) + "\n")
     for page in embed_in_docs(name, markdown, out.parent):
         print(f"updated {page}")
+    if args.wandb:
+        from quantmla.tracking.wandb_mirror import log_artifacts
+
+        records_dir = root / experiment if args.source == "store" else None
+        log_artifacts(experiment, wandb_logger(args), table=(name, rows), records_dir=records_dir)
 
 
 if __name__ == "__main__":

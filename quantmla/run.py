@@ -60,7 +60,7 @@ def run(cfg) -> dict | None:
     from quantmla.paths import repo_root
     from quantmla.prepare import prepare
     from quantmla.tracking.store import make_record
-    from quantmla.tracking.wandb_mirror import mirror
+    from quantmla.tracking.wandb_mirror import ATTACHED, LM_EVAL_RESULTS, mirror
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -68,15 +68,33 @@ def run(cfg) -> dict | None:
     started = time.time()
     prepared = prepare(job)
     metrics = {**prepared.metrics, **job.evaluator.evaluate(job.cfg, prepared)}
+    attached = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith(ATTACHED)]}
     record = make_record(
         job.config, metrics, cfg.experiment_name, time.time() - started, repo=repo_root()
     )
     print(job.evaluator.format_table(record))
     save_record(job.record_path, record)
     _running["written"] += 1
-    mirror(record, cfg.logger)
+    mirror(record, cfg.logger, sweep=current_sweep(), lm_eval_results=attached.get(LM_EVAL_RESULTS))
     print(f"[quantmla] wrote {job.record_path} ({record['wall_time_s']:.1f} s)")
     return record
+
+
+def current_sweep() -> dict | None:
+    """The Hydra multirun this job belongs to: {"id": its sweep folder, "overrides": the job's own
+    overrides}; None for a single run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    hydra = HydraConfig.get()
+    if str(hydra.mode) != "RunMode.MULTIRUN":
+        return None
+    sweep_dir = Path(hydra.sweep.dir)
+    return {
+        "id": "_".join(sweep_dir.parts[-2:]).replace(":", "-"),
+        "overrides": list(hydra.overrides.task),
+    }
 
 
 def save_record(path: Path, record: dict) -> None:

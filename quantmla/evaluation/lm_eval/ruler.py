@@ -29,7 +29,7 @@ def import_upstream_ruler_quietly() -> None:
 
 def evaluate(cfg, prepared) -> dict:
     """ruler/<task>/<length> and ruler/<task>/avg: string-match accuracy in %."""
-    from quantmla.evaluation.lm_eval.runner import run_lm_eval
+    from quantmla.evaluation.lm_eval.runner import attach_results, run_lm_eval
 
     ev = cfg.eval
     import_upstream_ruler_quietly()
@@ -57,7 +57,7 @@ def evaluate(cfg, prepared) -> dict:
         for length, score in zip(ev.context_lengths, scores):
             metrics[f"ruler/{task}/{length}"] = score
         metrics[f"ruler/{task}/avg"] = sum(scores) / len(scores)
-    return metrics
+    return attach_results(cfg, metrics, results)
 
 
 def format_table(record: dict) -> str:

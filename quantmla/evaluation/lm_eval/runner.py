@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from quantmla.evaluation.lm_eval.suites import TASKS, TASKS_DIR, data_mode
+from quantmla.tracking.wandb_mirror import LM_EVAL_RESULTS
 
 
 def task_manager(metadata: dict):
@@ -102,7 +103,7 @@ def run_lm_eval(cfg, prepared, specs: list[str], metadata: dict, limit=None, max
         task_manager=task_manager(metadata),
         gen_kwargs={"max_gen_toks": ev.max_gen_toks} if ev.max_gen_toks else None,
         apply_chat_template=ev.apply_chat_template,
-        log_samples=False,
+        log_samples=logs_to_wandb(cfg),  # sample predictions only for lm-eval's W&B logger
         bootstrap_iters=1000,
         confirm_run_unsafe_code=any(TASKS[t].code for t in ev.tasks if t in TASKS),
         random_seed=cfg.seed,
@@ -110,6 +111,18 @@ def run_lm_eval(cfg, prepared, specs: list[str], metadata: dict, limit=None, max
         torch_random_seed=cfg.seed,
         fewshot_random_seed=1234,  # lm-eval's default: identical few-shot draws across methods
     )
+
+
+def logs_to_wandb(cfg) -> bool:
+    return getattr(getattr(cfg, "logger", None), "name", "none") == "wandb"
+
+
+def attach_results(cfg, metrics: dict, results: dict) -> dict:
+    """lm-eval's own results beside the metrics, for lm-eval's W&B logger; `run` takes them out
+    before the record is written (the store keeps only the metrics)."""
+    if logs_to_wandb(cfg):
+        metrics[LM_EVAL_RESULTS] = results
+    return metrics
 
 
 def _number(value):
@@ -151,7 +164,7 @@ def evaluate(cfg, prepared) -> dict:
             )
         metrics[f"n/{t.name}"] = int(n)
     metrics["acc/avg"] = sum(metrics[f"acc/{t.name}"] for t in tasks) / len(tasks)
-    return metrics
+    return attach_results(cfg, metrics, results)
 
 
 def format_table(record: dict) -> str:
