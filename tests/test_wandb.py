@@ -232,3 +232,43 @@ def test_the_preview_prints_one_wandb_line(wandb_dirs):
     assert len(lines) == 1 and lines[0].startswith("[quantmla] W&B offline run"), lines
     (logged,) = offline_runs(wandb_dirs / "runs")
     assert json.loads(json.dumps(logged.config["job"]))["model"]["name"] == "tiny_mla"
+
+
+def test_the_artifact_run_of_a_paper_table_holds_the_papers_column(wandb_dirs):
+    """Table 1 from records of the paper's own model: the W&B table carries the paper's GSM8K
+    numbers in a column beside ours (the same numbers `analysis/paper_numbers.yaml` states)."""
+    from analysis.tables import LAYOUTS
+
+    store = wandb_dirs / "results" / "table1"
+    tasks = [c.metric for c in LAYOUTS["table1"].columns]
+    for i, method in enumerate(("rtn", "smoothquant", "quarot", "quantmla")):
+        record = {
+            "experiment": "table1",
+            "config": {
+                "model": {"name": "deepseek_v2_lite"},
+                "precision": {"name": "c4r4"},
+                "method": {"name": method},
+                "eval": {"kind": "lm_eval"},
+            },
+            "metrics": {t: 50.0 + i for t in tasks},
+        }
+        (store / f"h{i}").mkdir(parents=True)
+        (store / f"h{i}" / "result.json").write_text(json.dumps(record))
+    proc = subprocess.run(
+        [sys.executable, "-m", "analysis.tables", "table1", "--results", str(wandb_dirs / "results"),
+         "--out", str(wandb_dirs / "out" / "tables"), "--wandb"],
+        cwd=REPO, capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    (logged,) = offline_runs(wandb_dirs / "runs")
+    assert logged.job_type == "artifact" and logged.group == "table1"
+    table = logged.table("table/table1")
+    paper = table["columns"].index("GSM8K (paper)")
+    by_method = {row[2]: row[paper] for row in table["data"]}
+    assert by_method == {
+        "RTN": "16.98",
+        "SmoothQuant†": "24.56",
+        "QuaRot†": "30.71",
+        "QuantMLA": "35.25",
+    }
+    assert table["columns"][paper - 1] == "GSM8K" and "(paper" not in str(table["data"])
