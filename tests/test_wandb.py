@@ -24,7 +24,11 @@ def wandb_dirs(tmp_path, monkeypatch):
         monkeypatch.setenv(var, str(tmp_path / sub))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    return tmp_path
+    import wandb
+
+    wandb.teardown()  # W&B reads its directories from the environment once per setup
+    yield tmp_path
+    wandb.teardown()
 
 
 def job(tmp_path, *overrides):
@@ -34,6 +38,9 @@ def job(tmp_path, *overrides):
         "logger=wandb",
         *overrides,
     )
+
+
+SENSITIVITY = ("eval=sensitivity", "eval.n_sequences=2", "eval.seqlen=64", "experiment_name=sens")
 
 
 def only_run(wandb_dirs, job_type=None):
@@ -46,15 +53,7 @@ def only_run(wandb_dirs, job_type=None):
 def test_a_sensitivity_run_holds_r_c_and_r_p_of_every_layer(wandb_dirs):
     from quantmla.run import run
 
-    record = run(
-        job(
-            wandb_dirs,
-            "eval=sensitivity",
-            "eval.n_sequences=2",
-            "eval.seqlen=64",
-            "experiment_name=sens",
-        )
-    )
+    record = run(job(wandb_dirs, *SENSITIVITY))
     m = record["metrics"]
     logged = only_run(wandb_dirs)
     table = logged.table("sensitivity/per_layer")
@@ -114,15 +113,7 @@ def test_an_lm_eval_run_holds_lm_evals_results_table_and_samples(wandb_dirs):
 def test_the_artifact_runs_hold_the_regenerated_table_the_figure_and_the_records(wandb_dirs):
     from quantmla.run import run
 
-    run(
-        job(
-            wandb_dirs,
-            "eval=sensitivity",
-            "eval.n_sequences=2",
-            "eval.seqlen=64",
-            "experiment_name=sens",
-        )
-    )
+    run(job(wandb_dirs, *SENSITIVITY))
     for tool, name in (("tables", "table4"), ("figures", "fig2")):
         proc = subprocess.run(
             [sys.executable, "-m", f"analysis.{tool}", name, "--experiment", "sens",
@@ -272,3 +263,21 @@ def test_the_artifact_run_of_a_paper_table_holds_the_papers_column(wandb_dirs):
         "QuantMLA": "35.25",
     }
     assert table["columns"][paper - 1] == "GSM8K" and "(paper" not in str(table["data"])
+
+
+def test_a_mixed_allocation_is_per_layer_and_its_candidate_lists_are_tables():
+    record = {
+        "config": {"eval": {"kind": "perplexity"}},
+        "metrics": {
+            "nmse/attn_layers": [0.1, 0.2],
+            "allocation/precisions": ["c2r4", "c4r4"],
+            "allocation/output_rope": [[0.1, 0.2], [0.3, 0.4]],  # layers × candidates
+            "allocation/candidate_bytes": [100, 200],  # as long as the layers, but per format
+        },
+    }
+    out = layout(record)
+    assert out.per_layer == (
+        ["layer", "attn_nmse", "precisions", "output_P/0", "output_P/1"],
+        [[0, 0.1, "c2r4", 0.1, 0.2], [1, 0.2, "c4r4", 0.3, 0.4]],
+    )
+    assert list(out.tables) == ["allocation/candidate_bytes"]

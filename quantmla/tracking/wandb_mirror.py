@@ -118,7 +118,7 @@ def layout(record: dict[str, Any]) -> Layout:
             continue  # the layer column itself
         elif layers is not None and len(value) == len(layers) and _per_layer(key, family):
             name = PER_LAYER_NAMES.get(key) or paper_name(
-                key.removeprefix(family).removeprefix("method/report/")
+                key.removeprefix(family).removeprefix("method/report/").removeprefix("allocation/")
             )
             for i, cells in enumerate(_row_cells(name, v) for v in value):
                 per_layer.setdefault(i, {}).update(cells)
@@ -133,10 +133,16 @@ def layout(record: dict[str, Any]) -> Layout:
     return out
 
 
+PER_CANDIDATE = ("allocation/candidate_bytes", "allocation/joint_")  # lists over formats or picks
+
+
 def _per_layer(key: str, family: str) -> bool:
     """A list with one entry per MLA layer: of the study that defines the layers, the per-layer
-    attention NMSE, or a method's per-layer calibration report."""
-    return key.startswith(family) or key == "nmse/attn_layers" or key.startswith("method/report/")
+    attention NMSE, a method's per-layer calibration report, a mixed allocation's per-layer
+    formats and errors (rows: layers, columns: candidates)."""
+    if key.startswith(PER_CANDIDATE):
+        return False
+    return key.startswith((family, "nmse/attn_layers", "method/report/", "allocation/"))
 
 
 def run_config(record: dict[str, Any], sweep: dict | None = None) -> dict[str, Any]:
