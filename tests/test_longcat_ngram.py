@@ -462,3 +462,15 @@ def test_export_reloads_to_the_jobs_perplexity(saved, tmp_path):
         tokenize(load_text("wikitext2", "test", DATA_DIR), tokenizer), 128, 1
     )
     assert perplexity(model, windows) == record["metrics"]["ppl/wikitext2"]
+
+
+def test_serving_it_through_vllm_without_cuda_is_refused_in_one_line():
+    from quantmla.serving.settings import check_served_family
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: vLLM's own LongCat-Flash-Lite class may run")
+    with pytest.raises(
+        ConfigError, match=r"^eval.kind=throughput='longcat_flash_ngram'.*eval.engine=hf"
+    ):
+        check_served_family("longcat_flash_ngram", "eval.kind=throughput")
+    check_served_family("deepseek_v2", "eval.kind=throughput")

@@ -184,6 +184,20 @@ def predicted_capacity(
     return math.floor(pages / block) * block_size
 
 
+def check_served_family(model_type: str | None, field: str) -> None:
+    """LongCat-Flash-Lite's n-gram front end exists in vLLM only as a CUDA op under its Model-Runner-V2
+    (`LongcatFlashNgramForCausalLM`): one line on a machine without CUDA."""
+    import torch
+
+    if model_type == "longcat_flash_ngram" and not torch.cuda.is_available():
+        raise ConfigError(
+            field,
+            "longcat_flash_ngram",
+            "a model vLLM runs without CUDA (vLLM computes LongCat-Flash-Lite's n-gram ids with a "
+            "CUDA op under its Model-Runner-V2); evaluate it here with eval.engine=hf",
+        )
+
+
 def check_servable(serve_python, model_config, policy, field: str) -> None:
     """A job that serves its model through vLLM, before anything loads: the serving venv exists,
     vLLM's MLA serves the latent width, the writer packs the precision (one line each)."""
@@ -194,4 +208,5 @@ def check_servable(serve_python, model_config, policy, field: str) -> None:
         )
     if model_config is not None:
         check_geometry(model_config.kv_lora_rank, model_config.qk_rope_head_dim)
+        check_served_family(getattr(model_config, "model_type", None), field)
     ServeSettings(policy.precision, policy.group_size, sink=policy.sink, recent=policy.recent)
