@@ -100,9 +100,9 @@ def layout(record: dict[str, Any]) -> Layout:
     flat = flatten(record["metrics"])
     out = Layout(kind=record["config"]["eval"]["kind"])
     family, layers = _layer_indices(flat)
-    per_layer: dict[str, list] = {}
+    per_layer: dict[int, dict[str, Any]] = {}  # layer position -> its cells
     for key, value in flat.items():
-        if _is_number(value) or isinstance(value, bool):
+        if isinstance(value, int | float):  # bools as 0 / 1
             out.scalars[key] = float(value)
         elif isinstance(value, str):
             out.text[key] = value
