@@ -30,16 +30,16 @@ def default_results_dir() -> Path:
 
 
 def add_wandb_arguments(parser) -> None:
-    """`--wandb`: also log the regenerated artifact to the experiment's W&B `artifact` run."""
+    """`--wandb`: also log the regenerated artifact to the experiment's W&B `artifact` run
+    (`--project`/`--entity`: where, also for `tables --source wandb`)."""
     parser.add_argument(
         "--wandb",
         action="store_true",
         help="log it to W&B (one artifact run per experiment, with the records; offline unless "
         "WANDB_MODE=online)",
     )
-    for flag, default in (("--project", "quantmla"), ("--entity", None)):
-        if not any(flag in a.option_strings for a in parser._actions):
-            parser.add_argument(flag, default=default)
+    parser.add_argument("--project", default="quantmla", help="W&B project")
+    parser.add_argument("--entity", default=None, help="W&B entity")
 
 
 def wandb_logger(args):

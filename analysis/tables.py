@@ -256,8 +256,6 @@ def main() -> None:
         "--results", default=None, help="results store (default: paths.results_dir)"
     )
     parser.add_argument("--source", choices=("store", "wandb"), default="store")
-    parser.add_argument("--project", default="quantmla")
-    parser.add_argument("--entity", default=None)
     parser.add_argument("--out", default="docs/tables")
     add_wandb_arguments(parser)
     args = parser.parse_args()

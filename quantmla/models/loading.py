@@ -15,7 +15,8 @@ from quantmla.errors import ConfigError
 from quantmla.models.adapters import ADAPTERS, MODEL_TYPE_ALIASES
 from quantmla.paths import check_safetensors, local_config_json
 
-# Published model_types with no transformers class: ours, registered with the Auto classes on import.
+# Published model_types with no transformers class: ours, registered with the Auto classes on
+# import; each module's `check_tensors(shapes, config, where)` checks a checkpoint's own tensors.
 OWN_FAMILIES = {"longcat_flash_ngram": "quantmla.models.longcat_ngram"}
 _DROP_KEYS = ("auto_map", "quantization_config", "transformers_version", "architectures")
 
@@ -57,10 +58,11 @@ def check_checkpoint(path_or_id: str) -> None:
     if not shapes or found is None:
         return
     raw = json.loads(found.read_text())
-    if raw.get("model_type") == "longcat_flash_ngram":
-        from quantmla.models.longcat_ngram import check_ngram_tensors
-
-        check_ngram_tensors(shapes, config_from_dict(raw), str(path_or_id))
+    family = OWN_FAMILIES.get(raw.get("model_type"))
+    if family is not None:
+        importlib.import_module(family).check_tensors(
+            shapes, config_from_dict(raw), str(path_or_id)
+        )
 
 
 def shrink_config(

@@ -162,7 +162,7 @@ class NgramEmbedding(nn.Module):
     def forward(self, word_embeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         total = word_embeds
         for i, (table, proj) in enumerate(zip(self.embedders, self.post_projs)):
-            total = total + proj(table(ids[..., i]))
+            total = total + proj(table(ids[..., i]))  # table i reads id column i
         return total / (1 + len(self.embedders))
 
 
@@ -290,7 +290,7 @@ def ngram_tensor_shapes(config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_ngram_tensors(headers: dict[str, tuple[int, ...]], config, where: str) -> None:
+def check_tensors(headers: dict[str, tuple[int, ...]], config, where: str) -> None:
     """One line naming the first n-gram tensor of a checkpoint that is missing or mis-shaped."""
     for name, shape in ngram_tensor_shapes(config).items():
         found = headers.get(name)

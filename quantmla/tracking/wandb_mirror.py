@@ -185,38 +185,51 @@ def mirror(
     lm-eval's own results dict, logged by lm-eval's WandbLogger."""
     if logger_cfg is None or logger_cfg.name == "none":
         return None
-    import wandb
-
     cfg = record["config"]
     names = [cfg["model"]["name"], cfg["precision"]["name"], cfg["method"]["name"]]
     tags = [*names, record["experiment"], cfg["eval"]["kind"]]
     if sweep and sweep.get("id"):
         tags.append(f"sweep:{sweep['id']}")
-    run = wandb.init(
-        project=logger_cfg.project,
-        entity=logger_cfg.entity,
+    run = _start(
+        logger_cfg,
+        directory,
         id=run_id(record),
-        resume="allow",
         group=record["experiment"],
         job_type=cfg["eval"]["kind"],
         name="-".join([*names, record["config_hash"]]),
         tags=tags,
         config=run_config(record, sweep),
-        mode=_mode(logger_cfg),
-        dir=directory,
-        reinit="finish_previous",
-        settings=wandb.Settings(silent=True),  # one line below instead of W&B's ~25
     )
     log_layout(run, layout(record))
     if lm_eval_results is not None:
         log_lm_eval(lm_eval_results)
+    return _finish(run, "run")
+
+
+def _start(logger_cfg, directory: str | None, **run_fields):
+    """A W&B run in the logger's project and mode, resumed if its id exists, one printed line."""
+    import wandb
+
+    return wandb.init(
+        project=logger_cfg.project,
+        entity=logger_cfg.entity,
+        resume="allow",
+        mode=_mode(logger_cfg),
+        dir=directory,
+        reinit="finish_previous",
+        settings=wandb.Settings(silent=True),  # one line (in _finish) instead of W&B's ~25
+        **run_fields,
+    )
+
+
+def _finish(run, what: str) -> str:
     run_id_, run_dir = run.id, Path(run.dir).parent
     where = None if run.settings._offline else run.url
     run.finish()
     if where is None:
-        print(f"[quantmla] W&B offline run {run_dir} (send it: wandb sync {run_dir})")
+        print(f"[quantmla] W&B offline {what} {run_dir} (send it: wandb sync {run_dir})")
     else:
-        print(f"[quantmla] W&B run {where}")
+        print(f"[quantmla] W&B {what} {where}")
     return run_id_
 
 
@@ -300,20 +313,15 @@ def log_artifacts(
     Artifact (versioned by content: unchanged records add no version)."""
     import wandb
 
-    run = wandb.init(
-        project=logger_cfg.project,
-        entity=logger_cfg.entity,
+    run = _start(
+        logger_cfg,
+        directory,
         id=f"{experiment}-artifacts"[-64:],
-        resume="allow",
         group=experiment,
         job_type="artifact",
         name=f"{experiment} artifacts",
         tags=[experiment, "artifact"],
         config={"experiment": experiment},
-        mode=_mode(logger_cfg),
-        dir=directory,
-        reinit="finish_previous",
-        settings=wandb.Settings(silent=True),
     )
     if table is not None:
         name, rows = table
@@ -329,11 +337,7 @@ def log_artifacts(
             for path in records:
                 artifact.add_file(str(path), name=f"{path.parent.name}/result.json")
             run.log_artifact(artifact)
-    run_dir = Path(run.dir).parent
-    where = None if run.settings._offline else run.url
-    run.finish()
-    print(f"[quantmla] W&B artifact run {where or run_dir}")
-    return run_dir.name
+    return _finish(run, "artifact run")
 
 
 def load_records_from_wandb(
