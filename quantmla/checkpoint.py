@@ -40,13 +40,10 @@ def manifest(cfg, prepared) -> dict:
     }
 
 
-def write_checkpoint(cfg, prepared, out: Path) -> Path:
-    """Save the prepared (fused) model untied and unpatched, its tokenizer and quantmla.json."""
+def save_untied(model, tokenizer, out: Path) -> Path:
+    """An HF checkpoint folder with `lm_head.weight` written (engines such as vLLM never tie it)."""
     import torch
 
-    from quantmla.simulator import unpatch_model
-
-    model = unpatch_model(prepared.model)
     head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
     if head.weight.data_ptr() == embeddings.weight.data_ptr():  # untie: write lm_head itself
         head.weight = torch.nn.Parameter(head.weight.detach().clone())
@@ -55,7 +52,16 @@ def write_checkpoint(cfg, prepared, out: Path) -> Path:
         model.config.get_text_config().tie_word_embeddings = False
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    prepared.tokenizer.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def write_checkpoint(cfg, prepared, out: Path) -> Path:
+    """Save the prepared (fused) model untied and unpatched, its tokenizer and quantmla.json."""
+
+    from quantmla.simulator import unpatch_model
+
+    save_untied(unpatch_model(prepared.model), prepared.tokenizer, out)
     (out / MANIFEST).write_text(json.dumps(manifest(cfg, prepared), indent=1, default=str) + "\n")
     return out
 
