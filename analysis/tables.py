@@ -8,6 +8,7 @@ bold), "—" for a missing cell (never zero), and the paper's own numbers beside
     python -m analysis.tables table4 [--experiment tiny_fig2_sensitivity]   # sensitivity aggregates
     python -m analysis.tables table5 | table6 [--experiment tiny_table5_probes]   # operator analysis
     python -m analysis.tables frontier | frontier_pairs [--experiment tiny_frontier]   # issue #23
+    python -m analysis.tables smol_testbed | smol_outliers | smol_rtn_cost              # issue #39
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from analysis import frontier, probes, sensitivity, throughput
+from analysis import frontier, probes, sensitivity, testbed, throughput
 from analysis.common import add_wandb_arguments, default_results_dir, output_name, wandb_logger
 from quantmla.methods.registry import METHODS
 from quantmla.tracking.store import load_records
@@ -216,6 +217,9 @@ def study_tables(paper: dict) -> dict:
         "allocation": (probes.allocation_rows, "table5_probes"),
         "frontier": (frontier.frontier_rows, "frontier"),
         "frontier_pairs": (frontier.comparison_rows, "frontier"),
+        "smol_testbed": (testbed.testbed_rows, "smol_testbed"),
+        "smol_outliers": (testbed.outlier_rows, "smol_testbed"),
+        "smol_rtn_cost": (testbed.rtn_cost_rows, "smol_rtn_cost"),
         "fig5c_sweep": (
             lambda records: throughput.sweep_rows(records, paper["fig5c_throughput"]["c4r4"]),
             "fig5c_throughput",
@@ -225,6 +229,7 @@ def study_tables(paper: dict) -> dict:
 
 STUDY_TABLES = (
     "table4", "table5", "table6", "allocation", "frontier", "frontier_pairs", "fig5c_sweep",
+    "smol_testbed", "smol_outliers", "smol_rtn_cost",
 )  # fmt: skip
 
 

@@ -29,6 +29,7 @@ from torch.nn.utils import parametrize
 from experiments.smol_mla import (
     ASSETS,
     CACHE,
+    DATA_DIR,
     KV_LORA_RANK,
     fetch_source,
     fingerprint,
@@ -41,7 +42,7 @@ from quantmla.models.conversion import LINEAR_NORM_TAU, attention_input_moments,
 
 @dataclass
 class HealConfig:
-    data_dir: str | None = None
+    data_dir: str | None = DATA_DIR  # $QUANTMLA_DATA_DIR, else ../shared/data
     seqlen: int = 512
     calibration_windows: int = 32  # Σ_x for the conversion
     heal_windows: int = 64  # training windows (the calibration windows among them)
@@ -54,6 +55,11 @@ class HealConfig:
     global_lr: float = 2e-4
     global_eval_every: int = 25
     seed: int = 0
+
+    def conversion_id(self) -> str:
+        return (
+            f"c4-train-{self.calibration_windows}x{self.seqlen}-seed{self.seed}-d_c{KV_LORA_RANK}"
+        )
 
 
 class RowScale(torch.nn.Module):
@@ -179,6 +185,27 @@ def export_tensors(student, plans) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def windows(tokenizer, cfg: HealConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training windows, held-out windows) of the C4 sample's train slice; the first
+    `calibration_windows` training windows give Σ_x."""
+    ids = tokenize(load_text("c4", "train", cfg.data_dir), tokenizer)
+    split = calibration_split(ids, cfg.heal_windows, cfg.heldout_windows, cfg.seqlen, cfg.seed)
+    return split.calibration, split.heldout
+
+
+def converted_model(source, tokenizer, cfg: HealConfig, state_dir: Path = CACHE / "healing"):
+    """The converted model before healing (and its per-layer plans); Σ_x kept in `state_dir`."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    sigma_file = state_dir / f"sigma-{cfg.conversion_id()}.pt"
+    if sigma_file.is_file():
+        sigmas = torch.load(sigma_file, weights_only=True)
+    else:
+        train, _ = windows(tokenizer, cfg)
+        sigmas = attention_input_moments(source, train[: cfg.calibration_windows])
+        torch.save(sigmas, sigma_file)
+    return convert_model(source, sigmas, KV_LORA_RANK)
+
+
 def heal(cfg: HealConfig, assets: Path = ASSETS, state_dir: Path = CACHE / "healing") -> dict:
     from safetensors.torch import load_file, save_file
 
@@ -188,17 +215,8 @@ def heal(cfg: HealConfig, assets: Path = ASSETS, state_dir: Path = CACHE / "heal
     source, tokenizer = load_source(fetch_source())
     for p in source.parameters():
         p.requires_grad_(False)
-    ids = tokenize(load_text("c4", "train", cfg.data_dir), tokenizer)
-    split = calibration_split(ids, cfg.heal_windows, cfg.heldout_windows, cfg.seqlen, cfg.seed)
-    train, heldout = split.calibration, split.heldout
-
-    sigma_file = state_dir / "sigma.pt"
-    if sigma_file.is_file():
-        sigmas = torch.load(sigma_file, weights_only=True)
-    else:
-        sigmas = attention_input_moments(source, train[: cfg.calibration_windows])
-        torch.save(sigmas, sigma_file)
-    student, plans = convert_model(source, sigmas, KV_LORA_RANK)
+    train, heldout = windows(tokenizer, cfg)
+    student, plans = converted_model(source, tokenizer, cfg, state_dir)
     for p in student.parameters():
         p.requires_grad_(False)
     params = [

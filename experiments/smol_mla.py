@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -41,6 +42,7 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "smol-mla"
 CACHE = Path(__file__).resolve().parents[1] / ".cache" / "smol-mla"
 BUILT = Path(__file__).resolve().parents[1] / "checkpoints" / "smol-mla"
+DATA_DIR = os.environ.get("QUANTMLA_DATA_DIR") or str(ASSETS.parents[2] / "shared" / "data")
 KV_LORA_RANK = 256
 FINGERPRINT_TEXT = (
     "The capital of France is Paris. The quick brown fox jumps over the lazy dog, and"

@@ -32,6 +32,9 @@ class ModelConfig:
         "dequantize",
         "FP8 block-quantized checkpoints: native (FP8 weights, CUDA) | dequantize (BF16 on load)",
     )
+    build: str | None = opt(
+        None, "the command that builds this checkpoint locally (a testbed rebuilt, not committed)"
+    )
 
 
 MIXED_FIELDS = (

@@ -201,7 +201,13 @@ def check_checkpoint_reachable(cfg, paths: Paths) -> None:
 def model_config_without_weights(cfg, paths: Paths) -> SimpleNamespace | None:
     """The model's published config fields (attribute access, no transformers import) from its local
     checkpoint's config.json, else from `model.config`, else None (a hub id: checked when it loads).
-    A local path without config.json stops here."""
+    A local path without config.json stops here (naming the build command of a built testbed)."""
+    build = getattr(cfg.model, "build", None)
+    local = paths.resolve(cfg.model.path)
+    if build and not (local / "config.json").is_file():
+        raise DataNotFoundError(
+            f"model.path={cfg.model.path!r}: not built yet ({local}); build it with `{build}`"
+        )
     found = local_config_json(paths.checkpoint(cfg.model.path))
     if found is None and cfg.model.config:
         found = paths.resolve(cfg.model.config)

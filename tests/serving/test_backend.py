@@ -11,7 +11,14 @@ import pytest
 from quantmla.errors import ConfigError, DataNotFoundError, QuantMLAError
 from quantmla.serving.engine import build_llm, capacity_tokens, expected_capacity
 from quantmla.serving.settings import ServeSettings, resolve_settings
-from tests.serving.conftest import packed_generate, project, reference_logprobs
+from tests.serving.conftest import (
+    REPO,
+    WIKITEXT,
+    export,
+    packed_generate,
+    project,
+    reference_logprobs,
+)
 
 BUDGET = 64_000_000
 
@@ -148,3 +155,26 @@ def test_lm_eval_on_vllm_scores_like_the_hf_engine(tmp_path):
     print(f"hf {scores['hf']} vs vllm {scores['vllm']}")
     for task in ("arc_easy", "piqa"):  # one document is 5 points: allow one near-tie flip
         assert abs(scores["hf"][task] - scores["vllm"][task]) <= 5.0 + 1e-9
+
+
+SMOL = REPO / "checkpoints" / "smol-mla"
+
+
+@pytest.mark.slow
+def test_smol_mla_c4r4_greedy_equals_the_packed_generate(tmp_path):
+    """The real-weights testbed (issue #39; `make testbed-smol` first): vLLM with the plug-in continues
+    a 700-token WikiText-2 prompt with `quantmla.generate cache.backend=packed`'s greedy text."""
+    from transformers import AutoTokenizer
+
+    if not (SMOL / "config.json").is_file():
+        pytest.skip(f"build the testbed first ({SMOL}: make testbed-smol)")
+    model = export(tmp_path / "smol_c4r4", "model=smol_mla", "method=rtn", "precision=c4r4")
+    ids = AutoTokenizer.from_pretrained(model)(WIKITEXT.read_text()[1000:6000]).input_ids[:700]
+    assert len(ids) == 700
+    llm = build_llm(
+        model, dtype="float32", kv_cache_memory_bytes=BUDGET, max_num_seqs=4, max_model_len=2048,
+        quantmla={"protection_dtype": "float32"},
+    )  # fmt: skip
+    tokens, _ = greedy(llm, ids, 48)
+    packed = packed_generate(model, ids, "c4r4", 48, tmp_path)
+    assert tokens == packed["token_ids"]

@@ -1,0 +1,109 @@
+"""The SmolLM2-MLA testbed's tables (docs/testbeds.md, docs/results.md), from records only:
+the source / converted / published rows (`smol_testbed`), the cache's outlier statistic beside
+tiny-mla-v2's (`smol_outliers`), and RTN's cost with and without protection (`smol_rtn_cost`)."""
+
+from __future__ import annotations
+
+from experiments.smol_mla_reference import COMMONSENSE
+
+ROWS = (
+    ("source", "SmolLM2-135M-Instruct (Llama, GQA; the source)"),
+    ("converted", "converted to MLA, before healing"),
+    ("published", "**SmolLM2-MLA (published testbed)**"),
+)
+TASK_HEADERS = {"hellaswag": "HellaSwag", "piqa": "PIQA", "arc_easy": "ARC-e", "arc_challenge": "ARC-c", "winogrande": "WinoGrande"}  # fmt: skip
+
+
+def _by(records: list[dict], row: str, kind: str) -> dict | None:
+    found = [
+        r
+        for r in records
+        if r["config"]["model"].get("row") == row and r["config"]["eval"]["kind"] == kind
+    ]
+    return max(found, key=lambda r: r.get("created", "")) if found else None
+
+
+def _delta(value: float, base: float | None) -> str:
+    if base is None:
+        return f"{value:.2f}"
+    return f"{value:.2f} ({100 * (value / base - 1):+.1f} %)"
+
+
+def testbed_rows(records: list[dict]) -> list[list[str]]:
+    """Perplexity (whole sets, 2,048-token windows; change vs the source) and the five 0-shot tasks."""
+    header = ["model", "WikiText-2 ppl", "C4 ppl", *(TASK_HEADERS[t] for t in COMMONSENSE), "avg"]
+    source = _by(records, "source", "perplexity")
+    base = source["metrics"] if source else {}
+    rows = [header]
+    for row, label in ROWS:
+        ppl, tasks = _by(records, row, "perplexity"), _by(records, row, "commonsense")
+        cells = [label]
+        for dataset in ("wikitext2", "c4"):
+            if ppl is None:
+                cells.append("—")
+                continue
+            value = ppl["metrics"][f"ppl/{dataset}"]
+            cells.append(_delta(value, None if row == "source" else base.get(f"ppl/{dataset}")))
+        for task in COMMONSENSE:
+            m = tasks["metrics"] if tasks else {}
+            value, err = m.get(f"acc/{task}"), m.get(f"acc_stderr/{task}")
+            cells.append(
+                "—" if value is None else f"{value:.1f} ± {err:.1f}" if err else f"{value:.1f}"
+            )
+        cells.append(f"{tasks['metrics']['acc/avg']:.1f}" if tasks else "—")
+        rows.append(cells)
+    return rows
+
+
+def outlier_rows(records: list[dict]) -> list[list[str]]:
+    """Per-channel absmax max/median of the cached c and k_R (median over layers, and the largest)."""
+    rows = [["model", "layers", "c: median", "c: max", "k_R: median", "k_R: max"]]
+    labels = {"tiny_mla_v2": "tiny-mla-v2 (trained here)", "converted": "SmolLM2-MLA before healing", "published": "SmolLM2-MLA (published)"}  # fmt: skip
+    for row, label in labels.items():
+        r = _by(records, row, "outliers")
+        if r is None:
+            continue
+        m = r["metrics"]
+        rows.append(
+            [
+                label,
+                str(len(m["outliers/c/per_layer"])),
+                f"{m['outliers/c/median']:.2f}",
+                f"{m['outliers/c/max']:.2f}",
+                f"{m['outliers/k_r/median']:.2f}",
+                f"{m['outliers/k_r/max']:.2f}",
+            ]
+        )
+    return rows
+
+
+def rtn_cost_rows(records: list[dict]) -> list[list[str]]:
+    """RTN per precision, with (sink + recent in BF16) and without protection, against BF16."""
+    header = ["precision", "protection", "WikiText-2 ppl", "C4 ppl", "attn-output NMSE", "windows"]
+    bf16 = [r for r in records if r["config"]["precision"]["name"] == "bf16"]
+    base = bf16[0]["metrics"] if bf16 else {}
+    rows = [header]
+
+    def order(r):
+        p = r["config"]["precision"]
+        return (p["name"] != "bf16", -int(p["name"][1]) if p["name"] != "bf16" else 0, -p["sink"])
+
+    for r in sorted(records, key=order):
+        p, m = r["config"]["precision"], r["metrics"]
+        protection = (
+            "—"
+            if p["name"] == "bf16"
+            else f"sink {p['sink']} + recent {p['recent']}"
+            if p["sink"] or p["recent"]
+            else "none"
+        )
+        cells = [p["name"].upper(), protection]
+        for dataset in ("wikitext2", "c4"):
+            value = m.get(f"ppl/{dataset}")
+            ref = None if p["name"] == "bf16" else base.get(f"ppl/{dataset}")
+            cells.append("—" if value is None else _delta(value, ref))
+        nmse = m.get("nmse/attn_mean")
+        cells.append("—" if nmse is None else f"{nmse:.3e}")
+        cells.append(str(m.get("windows/wikitext2", "—")))
+        rows.append(cells)
+    return rows
