@@ -138,6 +138,7 @@ def resolve(cfg) -> Job:
     if evaluator.needs_model:  # the environment, after every field
         from quantmla.models.loading import check_checkpoint
 
+        check_built(cfg, paths)
         check_checkpoint_reachable(cfg, paths)
         check_checkpoint(paths.checkpoint(cfg.model.path))
         check_fp8_native(cfg, model_config)
@@ -184,6 +185,15 @@ def check_fp8_native(cfg, model_config) -> None:
         )
 
 
+def check_built(cfg, paths: Paths) -> None:
+    """A testbed built locally (`model.build`) that is not built yet: one line with its command."""
+    local = paths.resolve(cfg.model.path)
+    if cfg.model.build and not (local / "config.json").is_file():
+        raise DataNotFoundError(
+            f"model.path={cfg.model.path!r}: not built yet ({local}); build it with `{cfg.model.build}`"
+        )
+
+
 def check_checkpoint_reachable(cfg, paths: Paths) -> None:
     """A hub id with the hub unreachable must already be in the local cache: else one line now,
     not a download error after the data is loaded."""
@@ -202,12 +212,8 @@ def model_config_without_weights(cfg, paths: Paths) -> SimpleNamespace | None:
     """The model's published config fields (attribute access, no transformers import) from its local
     checkpoint's config.json, else from `model.config`, else None (a hub id: checked when it loads).
     A local path without config.json stops here (naming the build command of a built testbed)."""
-    build = getattr(cfg.model, "build", None)
-    local = paths.resolve(cfg.model.path)
-    if build and not (local / "config.json").is_file():
-        raise DataNotFoundError(
-            f"model.path={cfg.model.path!r}: not built yet ({local}); build it with `{build}`"
-        )
+    if not cfg.model.config:
+        check_built(cfg, paths)
     found = local_config_json(paths.checkpoint(cfg.model.path))
     if found is None and cfg.model.config:
         found = paths.resolve(cfg.model.config)

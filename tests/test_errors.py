@@ -73,6 +73,12 @@ CASES = {
         lambda tmp: load_pretrained("/nonexistent/ckpt"),
         "model.path='/nonexistent/ckpt'",
     ),
+    "testbed not built": (
+        lambda tmp: validate(
+            run_config(**{"model.path": str(tmp / "smol-mla"), "model.build": "make testbed-smol"})
+        ),
+        "not built yet",
+    ),
     "missing data dir": (
         lambda tmp: load_text("wikitext2", "test", "/nonexistent/data"),
         "paths.data_dir='/nonexistent/data'",

@@ -17,6 +17,7 @@ from quantmla.serving.platform import PREFIX_CACHING_REFUSED
 from quantmla.serving.settings import (
     ServeSettings,
     check_geometry,
+    fitting_num_seqs,
     predicted_capacity,
     resolve_settings,
 )
@@ -52,18 +53,22 @@ def quantmla_config(precision: str | None = None, **fields) -> dict:
 
 def check(
     model_dir, quantmla: dict, kv_cache_memory_bytes: int | None, max_num_seqs: int | None,
-    block_size: int = 16,
+    block_size: int = 16, max_model_len: int | None = None,
 ):  # fmt: skip
     """Every refusal the backend would make at start-up, answered before vLLM loads anything;
-    returns (settings, geometry)."""
+    returns (settings, geometry). Without `max_num_seqs` (vLLM's default, which the platform
+    lowers to what fits) the budget must still hold one `max_model_len`-token request."""
     geometry = model_geometry(model_dir)
-    check_geometry(geometry["d_c"], geometry["d_r"])
+    d_c, d_r, layers = geometry["d_c"], geometry["d_r"], geometry["layers"]
+    check_geometry(d_c, d_r)
     settings = resolve_settings(model_dir, quantmla)
     if kv_cache_memory_bytes is not None and max_num_seqs is not None:
         predicted_capacity(
-            settings, geometry["d_c"], geometry["d_r"], geometry["layers"], block_size,
-            kv_cache_memory_bytes, max_num_seqs,
-        )  # fmt: skip
+            settings, d_c, d_r, layers, block_size, kv_cache_memory_bytes, max_num_seqs
+        )
+    elif kv_cache_memory_bytes is not None and settings.quantized:
+        length = max_model_len or geometry["max_position_embeddings"] or block_size
+        fitting_num_seqs(settings, d_c, d_r, layers, kv_cache_memory_bytes, length, block_size)
     return settings, geometry
 
 
@@ -84,7 +89,7 @@ def engine_args(
     config = quantmla_config(precision, **(quantmla or {}))
     if kv_cache_memory_bytes is None and _cpu():
         kv_cache_memory_bytes = CPU_KV_BYTES
-    check(model_dir, config, kv_cache_memory_bytes, max_num_seqs, block_size)
+    check(model_dir, config, kv_cache_memory_bytes, max_num_seqs, block_size, max_model_len)
     args = dict(
         model=str(model_dir),
         dtype=dtype,

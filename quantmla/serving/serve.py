@@ -1,7 +1,8 @@
 """`python -m quantmla.serving.serve EXPORT [options] [-- vLLM server options]`: vLLM's own
 OpenAI-compatible server over an export, with the QuantMLA backend (registered by the plug-in)
 serving the export's cache format. Every refusal the backend would make at start-up is answered
-first, in one line; then the process becomes vLLM's server (`vllm.entrypoints.openai.api_server`).
+first, in one line; then the process becomes vLLM's server through its supported entry point,
+`vllm serve` (run by `quantmla.serving.vllm_cli`, which the CPU build's own `vllm` script needs).
 
     python -m quantmla.serving.serve exports/tiny --kv-cache-memory-bytes 30000000 --port 8000
 """
@@ -67,9 +68,9 @@ def main(argv: list[str] | None = None) -> None:
         )  # fmt: skip
     except QuantMLAError as err:
         sys.exit(f"error: {err}")
-    module = "vllm.entrypoints.openai.api_server"
-    print(f"[quantmla] python -m {module} {' '.join(command + theirs)}", flush=True)
-    os.execv(sys.executable, [sys.executable, "-m", module, *command, *theirs])
+    module = "quantmla.serving.vllm_cli"
+    print(f"[quantmla] vllm serve {' '.join(command + theirs)}", flush=True)
+    os.execv(sys.executable, [sys.executable, "-m", module, "serve", *command, *theirs])
 
 
 if __name__ == "__main__":

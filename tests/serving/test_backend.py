@@ -119,6 +119,10 @@ def test_refusals_are_one_line_before_vllm_starts(exports, tmp_path):
         build_llm(model, precision="c5r4")
     with pytest.raises(QuantMLAError, match="kv_cache_memory_bytes=100000 cannot hold one"):
         build_llm(model, kv_cache_memory_bytes=100_000)
+    from quantmla.serving import serve
+
+    with pytest.raises(SystemExit, match="kv_cache_memory_bytes=1000 cannot hold one"):
+        serve.main([str(model), "--kv-cache-memory-bytes", "1000"])  # vLLM's default max_num_seqs
     wide = tmp_path / "wide"
     wide.mkdir()
     config = json.loads((model / "config.json").read_text())
