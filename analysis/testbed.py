@@ -4,8 +4,6 @@ tiny-mla-v2's (`smol_outliers`), and RTN's cost with and without protection (`sm
 
 from __future__ import annotations
 
-from experiments.smol_mla_reference import COMMONSENSE
-
 ROWS = (
     ("source", "SmolLM2-135M-Instruct (Llama, GQA; the source)"),
     ("converted", "converted to MLA, before healing"),
@@ -31,7 +29,9 @@ def _delta(value: float, base: float | None) -> str:
 
 def testbed_rows(records: list[dict]) -> list[list[str]]:
     """Perplexity (whole sets, 2,048-token windows; change vs the source) and the five 0-shot tasks."""
-    header = ["model", "WikiText-2 ppl", "C4 ppl", *(TASK_HEADERS[t] for t in COMMONSENSE), "avg"]
+    done = [r for r in records if r["config"]["eval"]["kind"] == "commonsense"]
+    tasks = done[0]["config"]["eval"]["tasks"] if done else list(TASK_HEADERS)
+    header = ["model", "WikiText-2 ppl", "C4 ppl", *(TASK_HEADERS.get(t, t) for t in tasks), "avg"]
     source = _by(records, "source", "perplexity")
     base = source["metrics"] if source else {}
     rows = [header]
@@ -44,7 +44,7 @@ def testbed_rows(records: list[dict]) -> list[list[str]]:
                 continue
             value = ppl["metrics"][f"ppl/{dataset}"]
             cells.append(_delta(value, None if row == "source" else base.get(f"ppl/{dataset}")))
-        for task in COMMONSENSE:
+        for task in tasks:
             m = tasks["metrics"] if tasks else {}
             value, err = m.get(f"acc/{task}"), m.get(f"acc_stderr/{task}")
             cells.append(

@@ -48,12 +48,12 @@ class HealConfig:
     heal_windows: int = 64  # training windows (the calibration windows among them)
     heldout_windows: int = 8  # checkpoint selection
     delta_rank: int = 8
-    local_steps: int = 120
-    local_batch: int = 4
-    local_lr: float = 1e-3
-    global_minutes: float = 20.0
-    global_lr: float = 2e-4
-    global_eval_every: int = 25
+    local_steps: int = 150
+    local_batch: int = 2
+    local_lr: float = 3e-4
+    global_minutes: float = 12.0
+    global_lr: float = 5e-5
+    global_eval_every: int = 20
     seed: int = 0
 
     def conversion_id(self) -> str:
@@ -279,7 +279,9 @@ def heal(cfg: HealConfig, assets: Path = ASSETS, state_dir: Path = CACHE / "heal
     optimizer = torch.optim.Adam(flat, lr=cfg.global_lr)
     g = torch.Generator().manual_seed(cfg.seed + 1)
     start, step, curve = time.time(), 0, []
-    while time.time() - start < cfg.global_minutes * 60:
+    while (elapsed := (time.time() - start) / (cfg.global_minutes * 60)) < 1:
+        for group in optimizer.param_groups:  # cosine over the time budget
+            group["lr"] = cfg.global_lr * 0.5 * (1 + math.cos(math.pi * elapsed))
         row = train[torch.randint(0, train.shape[0], (1,), generator=g)]
         with torch.no_grad():
             target = torch.log_softmax(source(input_ids=row, use_cache=False).logits.float(), -1)

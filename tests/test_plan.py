@@ -33,6 +33,24 @@ def test_deepseek_v2_lite_parameters_by_hand():
     assert counts.weight_bytes("bfloat16") == 2 * total  # 31.4 GB: one H200
 
 
+def test_smol_mla_parameters_by_hand():
+    """The SmolLM2-MLA testbed (its committed config.json): 9 heads of 64 + 64, d_c 256, dense MLPs,
+    `lm_head` written untied (180.5M; the GQA source has 134.5M)."""
+    hidden, vocab, heads = 576, 49152, 9
+    attention = (
+        hidden * heads * (64 + 64)  # q_proj: NoPE 64 + RoPE 64 per head
+        + hidden * (256 + 64)  # kv_a_proj_with_mqa
+        + 256  # kv_a_layernorm
+        + 256 * heads * (64 + 64)  # kv_b_proj
+        + heads * 64 * hidden  # o_proj
+    )
+    layer = attention + 3 * hidden * 1536 + 2 * hidden
+    total = 2 * vocab * hidden + 30 * layer + hidden
+    assert total == 180_528_960
+    config = config_from_file(REPO / "assets" / "smol-mla" / "config.json")
+    assert param_counts(config).total == total
+
+
 def test_deepseek_v3_parameters_fp8_bytes_and_blocks_by_hand():
     hidden, vocab, heads = 7168, 129280, 128
     embed = vocab * hidden
