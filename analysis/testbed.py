@@ -36,7 +36,7 @@ def testbed_rows(records: list[dict]) -> list[list[str]]:
     base = source["metrics"] if source else {}
     rows = [header]
     for row, label in ROWS:
-        ppl, tasks = _by(records, row, "perplexity"), _by(records, row, "commonsense")
+        ppl, scored = _by(records, row, "perplexity"), _by(records, row, "commonsense")
         cells = [label]
         for dataset in ("wikitext2", "c4"):
             if ppl is None:
@@ -45,12 +45,12 @@ def testbed_rows(records: list[dict]) -> list[list[str]]:
             value = ppl["metrics"][f"ppl/{dataset}"]
             cells.append(_delta(value, None if row == "source" else base.get(f"ppl/{dataset}")))
         for task in tasks:
-            m = tasks["metrics"] if tasks else {}
+            m = scored["metrics"] if scored else {}
             value, err = m.get(f"acc/{task}"), m.get(f"acc_stderr/{task}")
             cells.append(
                 "—" if value is None else f"{value:.1f} ± {err:.1f}" if err else f"{value:.1f}"
             )
-        cells.append(f"{tasks['metrics']['acc/avg']:.1f}" if tasks else "—")
+        cells.append(f"{scored['metrics']['acc/avg']:.1f}" if scored else "—")
         rows.append(cells)
     return rows
 

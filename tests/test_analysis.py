@@ -160,3 +160,55 @@ def test_kernels_compile_table_summarises_per_kernel_and_lists_hot_rows():
     hot = hot_rows(report)
     assert len(hot) == 2 and hot[1][3] == "BLOCK_H 16, TILE 16, PAGE 64" and hot[1][7] == "0 / 0"
     assert markdown(report).startswith("2 specialisations (from 5 recorded launches) x 2 archs")
+
+
+def test_smol_testbed_tables_from_records():
+    """The SmolLM2-MLA tables: change vs the source, a missing cell is "—", tasks in record order;
+    RTN rows ordered BF16, C4R4, C2R4 with protection before none, Δ against the BF16 record."""
+    from analysis import testbed
+
+    def ref(row, kind, metrics, **ev):
+        return {
+            "config": {"model": {"row": row}, "eval": {"kind": kind, **ev}},
+            "metrics": metrics,
+            "created": "1",
+        }
+
+    tasks = {"tasks": ["piqa", "arc_easy"]}
+    records = [
+        ref("source", "perplexity", {"ppl/wikitext2": 20.0, "ppl/c4": 30.0}),
+        ref("published", "perplexity", {"ppl/wikitext2": 21.0, "ppl/c4": 29.4}),
+        ref("published", "commonsense", {"acc/piqa": 60.0, "acc_stderr/piqa": 2.2, "acc/arc_easy": 50.0, "acc/avg": 55.0}, **tasks),
+    ]  # fmt: skip
+    rows = testbed.testbed_rows(records)
+    assert rows[0] == ["model", "WikiText-2 ppl", "C4 ppl", "PIQA", "ARC-e", "avg"]
+    assert rows[1][1:3] == ["20.00", "30.00"] and rows[1][3] == "—"
+    assert rows[2][1:3] == ["—", "—"]  # converted: no records
+    assert rows[3][1:] == ["21.00 (+5.0 %)", "29.40 (-2.0 %)", "60.0 ± 2.2", "50.0", "55.0"]
+
+    def job(name, sink, recent, wt, nmse=None):
+        metrics = {
+            "ppl/wikitext2": wt,
+            "windows/wikitext2": 16,
+            **({"nmse/attn_mean": nmse} if nmse else {}),
+        }
+        return {
+            "config": {"precision": {"name": name, "sink": sink, "recent": recent}},
+            "metrics": metrics,
+        }
+
+    cost = testbed.rtn_cost_rows(
+        [
+            job("c2r4", 0, 0, 30.0),
+            job("c4r4", 4, 128, 20.2, 1e-3),
+            job("bf16", 4, 128, 20.0),
+            job("c2r4", 4, 128, 24.0),
+        ]
+    )
+    assert [r[:3] for r in cost[1:]] == [
+        ["BF16", "—", "20.00"],
+        ["C4R4", "sink 4 + recent 128", "20.20 (+1.0 %)"],
+        ["C2R4", "sink 4 + recent 128", "24.00 (+20.0 %)"],
+        ["C2R4", "none", "30.00 (+50.0 %)"],
+    ]
+    assert cost[2][4] == "1.000e-03" and cost[2][3] == "—"

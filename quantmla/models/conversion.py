@@ -146,6 +146,15 @@ def _keys_split(layer: SourceLayer, mixing: torch.Tensor, groups: int, head_dim:
     return k_rope, residual
 
 
+def _content_rows(layer: SourceLayer, mixing: torch.Tensor, groups: int, head_dim: int):
+    """(k_R rows (P, 2, hid), residual keys (G, D, hid), values (G, D, hid), and the NoPE content
+    [residual keys; values] stacked (2·G·D, hid)) of one layer."""
+    k_rope, residual = _keys_split(layer, mixing, groups, head_dim)
+    values = layer.v.view(groups, head_dim, -1)
+    stacked = torch.cat([residual.flatten(0, 1), values.flatten(0, 1)])
+    return k_rope, residual, values, stacked
+
+
 def latent_basis(
     layer: SourceLayer,
     sigma: torch.Tensor,
@@ -162,8 +171,7 @@ def latent_basis(
     blocks balanced to equal energy."""
     if metric not in METRICS:
         raise ConfigError("metric", metric, METRICS)
-    _, residual = _keys_split(layer, mixing, groups, head_dim)
-    values = layer.v.view(groups, head_dim, -1)
+    _, residual, values, stacked = _content_rows(layer, mixing, groups, head_dim)
     per_group = heads // groups
     blocks = []  # (key, value) whitening per group
     for g in range(groups):
@@ -187,9 +195,6 @@ def latent_basis(
     balance = math.sqrt(float(value_energy) / max(float(key_energy), 1e-30))
     whiten = torch.block_diag(*[balance * a for a, _ in blocks], *[b for _, b in blocks])
     unwhiten = torch.linalg.inv(whiten)
-    stacked = torch.cat(
-        [residual.reshape(-1, residual.shape[-1]), values.reshape(-1, values.shape[-1])]
-    )
     covariance = whiten @ stacked @ sigma @ stacked.T @ whiten.T
     eigenvalues, vectors = _sorted_eigh(covariance)
     basis = vectors[:, :rank]
@@ -222,11 +227,7 @@ def convert_layer(
 ) -> dict[str, torch.Tensor]:
     """The V2 attention weights (float64) of one layer from its source weights and plan."""
     per_group = heads // groups
-    k_rope, residual = _keys_split(layer, plan.mixing, groups, head_dim)
-    values = layer.v.view(groups, head_dim, -1)
-    stacked = torch.cat(
-        [residual.reshape(-1, residual.shape[-1]), values.reshape(-1, values.shape[-1])]
-    )
+    k_rope, _, _, stacked = _content_rows(layer, plan.mixing, groups, head_dim)
 
     # Latent: ĉ = Bᵀ S z / ρ (RMS ≈ 1); kv_a emits it scaled by τ√eps, the norm's γ = 1/τ undoes that.
     pre_norm_scale = LINEAR_NORM_TAU * math.sqrt(eps)
