@@ -212,9 +212,12 @@ def model_config_without_weights(cfg, paths: Paths) -> SimpleNamespace | None:
     """The model's published config fields (attribute access, no transformers import) from its local
     checkpoint's config.json, else from `model.config`, else None (a hub id: checked when it loads).
     A local path without config.json stops here (naming the build command of a built testbed)."""
-    if not cfg.model.config:
-        check_built(cfg, paths)
-    found = local_config_json(paths.checkpoint(cfg.model.path))
+    if cfg.model.build and not (paths.resolve(cfg.model.path) / "config.json").is_file():
+        if not cfg.model.config:
+            check_built(cfg, paths)
+        found = None  # not built yet: its committed config (the weights are checked later)
+    else:
+        found = local_config_json(paths.checkpoint(cfg.model.path))
     if found is None and cfg.model.config:
         found = paths.resolve(cfg.model.config)
         if not found.is_file():

@@ -23,7 +23,10 @@ from typing import Any
 # Config keys (dotted paths) that never change a result: where things are written or read from,
 # logging, and re-run control. The experiment name is part of the record's path instead.
 # `cache`: the packed backend computes the simulator's function (tests/test_packed_generation.py)
-NON_RESULT_KEYS = ("paths", "force", "threads", "logger", "hydra", "experiment_name", "cache")
+NON_RESULT_KEYS = (
+    "paths", "force", "threads", "logger", "hydra", "experiment_name", "cache",
+    "model.build",  # how a testbed is built, not what it computes
+)  # fmt: skip
 TRACKED_PACKAGES = (
     "torch",
     "transformers",
