@@ -28,10 +28,18 @@ def _delta(value: float, base: float | None) -> str:
 
 
 def testbed_rows(records: list[dict]) -> list[list[str]]:
-    """Perplexity (whole sets, 2,048-token windows; change vs the source) and the five 0-shot tasks."""
+    """Perplexity (2,048-token windows from the start of each set, their count shown; change vs the
+    source, which must be measured on the same windows) and the five 0-shot tasks."""
     done = [r for r in records if r["config"]["eval"]["kind"] == "commonsense"]
     tasks = done[0]["config"]["eval"]["tasks"] if done else list(TASK_HEADERS)
-    header = ["model", "WikiText-2 ppl", "C4 ppl", *(TASK_HEADERS.get(t, t) for t in tasks), "avg"]
+    header = [
+        "model",
+        "WikiText-2 ppl",
+        "C4 ppl",
+        "windows",
+        *(TASK_HEADERS.get(t, t) for t in tasks),
+        "avg",
+    ]
     source = _by(records, "source", "perplexity")
     base = source["metrics"] if source else {}
     rows = [header]
@@ -44,6 +52,8 @@ def testbed_rows(records: list[dict]) -> list[list[str]]:
                 continue
             value = ppl["metrics"][f"ppl/{dataset}"]
             cells.append(_delta(value, None if row == "source" else base.get(f"ppl/{dataset}")))
+        m = ppl["metrics"] if ppl else {}
+        cells.append(f"{m['windows/wikitext2']} + {m['windows/c4']}" if ppl else "—")
         for task in tasks:
             m = scored["metrics"] if scored else {}
             value, err = m.get(f"acc/{task}"), m.get(f"acc_stderr/{task}")

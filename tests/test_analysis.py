@@ -176,15 +176,22 @@ def test_smol_testbed_tables_from_records():
 
     tasks = {"tasks": ["piqa", "arc_easy"]}
     records = [
-        ref("source", "perplexity", {"ppl/wikitext2": 20.0, "ppl/c4": 30.0}),
-        ref("published", "perplexity", {"ppl/wikitext2": 21.0, "ppl/c4": 29.4}),
+        ref("source", "perplexity", {"ppl/wikitext2": 20.0, "ppl/c4": 30.0, "windows/wikitext2": 4, "windows/c4": 2}),
+        ref("published", "perplexity", {"ppl/wikitext2": 21.0, "ppl/c4": 29.4, "windows/wikitext2": 4, "windows/c4": 2}),
         ref("published", "commonsense", {"acc/piqa": 60.0, "acc_stderr/piqa": 2.2, "acc/arc_easy": 50.0, "acc/avg": 55.0}, **tasks),
     ]  # fmt: skip
     rows = testbed.testbed_rows(records)
-    assert rows[0] == ["model", "WikiText-2 ppl", "C4 ppl", "PIQA", "ARC-e", "avg"]
-    assert rows[1][1:3] == ["20.00", "30.00"] and rows[1][3] == "—"
-    assert rows[2][1:3] == ["—", "—"]  # converted: no records
-    assert rows[3][1:] == ["21.00 (+5.0 %)", "29.40 (-2.0 %)", "60.0 ± 2.2", "50.0", "55.0"]
+    assert rows[0] == ["model", "WikiText-2 ppl", "C4 ppl", "windows", "PIQA", "ARC-e", "avg"]
+    assert rows[1][1:4] == ["20.00", "30.00", "4 + 2"] and rows[1][4] == "—"
+    assert rows[2][1:4] == ["—", "—", "—"]  # converted: no records
+    assert rows[3][1:] == [
+        "21.00 (+5.0 %)",
+        "29.40 (-2.0 %)",
+        "4 + 2",
+        "60.0 ± 2.2",
+        "50.0",
+        "55.0",
+    ]
 
     def job(name, sink, recent, wt, nmse=None):
         metrics = {
