@@ -188,7 +188,7 @@ def check_fp8_native(cfg, model_config) -> None:
 def check_built(cfg, paths: Paths) -> None:
     """A testbed built locally (`model.build`) that is not built yet: one line with its command."""
     local = paths.resolve(cfg.model.path)
-    if cfg.model.build and not (local / "config.json").is_file():
+    if getattr(cfg.model, "build", None) and not (local / "config.json").is_file():
         raise DataNotFoundError(
             f"model.path={cfg.model.path!r}: not built yet ({local}); build it with `{cfg.model.build}`"
         )
@@ -212,7 +212,10 @@ def model_config_without_weights(cfg, paths: Paths) -> SimpleNamespace | None:
     """The model's published config fields (attribute access, no transformers import) from its local
     checkpoint's config.json, else from `model.config`, else None (a hub id: checked when it loads).
     A local path without config.json stops here (naming the build command of a built testbed)."""
-    if cfg.model.build and not (paths.resolve(cfg.model.path) / "config.json").is_file():
+    if (
+        getattr(cfg.model, "build", None)
+        and not (paths.resolve(cfg.model.path) / "config.json").is_file()
+    ):
         if not cfg.model.config:
             check_built(cfg, paths)
         found = None  # not built yet: its committed config (the weights are checked later)

@@ -179,7 +179,10 @@ def test_incremental_decoding_equals_full_recompute(twin64, chunks):
         for size in chunks:
             parts.append(twin64(ids[:, start : start + size], cache=cache, use_cache=True).logits)
             start += size
-    assert (torch.cat(parts, 1) - full).abs().max() <= 1e-10 * full.abs().max()
+    # float64 weights, but transformers' RMSNorms compute in float32: the two paths agree to float32
+    # rounding, which BLAS's shape-dependent summation order can flip (2.3e-7 relative measured on
+    # one CPU, 0 on another); a wrong n-gram history errs by O(1) (test_the_ngram_embedding_matters)
+    assert (torch.cat(parts, 1) - full).abs().max() <= 1e-5 * full.abs().max()
 
 
 def test_the_ngram_embedding_matters(twin64):
@@ -202,7 +205,7 @@ def test_greedy_generate_equals_full_recompute(twin64):
         )
         full = twin64(out.sequences).logits[:, 5:-1]
     scores = torch.stack(out.scores, 1)  # generate hands scores back in float32
-    assert (scores.double() - full).abs().max() <= 1e-7 * full.abs().max()
+    assert (scores.double() - full).abs().max() <= 1e-5 * full.abs().max()  # float32 norms, above
 
 
 def test_left_padded_batch_generates_each_sequence_as_alone(twin64):
