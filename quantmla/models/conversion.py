@@ -258,35 +258,22 @@ def target_config(source_config, kv_lora_rank: int):
     transformers must agree on it, see the module docstring)."""
     from transformers import DeepseekV2Config
 
+    from quantmla.models.tiny import dense_mla_fields
+
     heads, _, head_dim = attention_dims(source_config)
     s = source_config
     rope = dict(getattr(s, "rope_parameters", None) or {})
-    return DeepseekV2Config(
-        vocab_size=s.vocab_size,
-        hidden_size=s.hidden_size,
-        intermediate_size=s.intermediate_size,
-        moe_intermediate_size=s.intermediate_size,
-        num_hidden_layers=s.num_hidden_layers,
-        first_k_dense_replace=s.num_hidden_layers,
-        n_routed_experts=1,
-        n_shared_experts=1,
-        num_experts_per_tok=1,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        q_lora_rank=None,
-        kv_lora_rank=kv_lora_rank,
-        qk_nope_head_dim=head_dim,
-        qk_rope_head_dim=head_dim,
-        v_head_dim=head_dim,
-        hidden_act=s.hidden_act,
+    fields = dense_mla_fields(
+        s.vocab_size, hidden_size=s.hidden_size, num_layers=s.num_hidden_layers, num_heads=heads,
+        kv_lora_rank=kv_lora_rank, qk_nope_head_dim=head_dim, qk_rope_head_dim=head_dim,
+        v_head_dim=head_dim, intermediate_size=s.intermediate_size,
         max_position_embeddings=s.max_position_embeddings,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": rope.get("rope_theta", 10000.0)},
-        tie_word_embeddings=getattr(s, "tie_word_embeddings", False),
-        bos_token_id=s.bos_token_id,
-        eos_token_id=s.eos_token_id,
-        pad_token_id=getattr(s, "pad_token_id", None),
-        attention_bias=False,
+        rope_theta=rope.get("rope_theta", 10000.0), bos_token_id=s.bos_token_id,
+        eos_token_id=s.eos_token_id, pad_token_id=getattr(s, "pad_token_id", None),
+    )  # fmt: skip
+    fields["tie_word_embeddings"] = getattr(s, "tie_word_embeddings", False)
+    return DeepseekV2Config(
+        **fields, hidden_act=s.hidden_act, rms_norm_eps=1e-6, attention_bias=False
     )
 
 
