@@ -185,10 +185,16 @@ def check_fp8_native(cfg, model_config) -> None:
         )
 
 
+def not_built(cfg, paths: Paths) -> bool:
+    """A testbed built locally (`model.build`) whose folder has no config.json yet."""
+    build = getattr(cfg.model, "build", None)
+    return bool(build) and not (paths.resolve(cfg.model.path) / "config.json").is_file()
+
+
 def check_built(cfg, paths: Paths) -> None:
-    """A testbed built locally (`model.build`) that is not built yet: one line with its command."""
+    """A testbed built locally that is not built yet: one line with its build command."""
     local = paths.resolve(cfg.model.path)
-    if getattr(cfg.model, "build", None) and not (local / "config.json").is_file():
+    if not_built(cfg, paths):
         raise DataNotFoundError(
             f"model.path={cfg.model.path!r}: not built yet ({local}); build it with `{cfg.model.build}`"
         )
@@ -212,10 +218,7 @@ def model_config_without_weights(cfg, paths: Paths) -> SimpleNamespace | None:
     """The model's published config fields (attribute access, no transformers import) from its local
     checkpoint's config.json, else from `model.config`, else None (a hub id: checked when it loads).
     A local path without config.json stops here (naming the build command of a built testbed)."""
-    if (
-        getattr(cfg.model, "build", None)
-        and not (paths.resolve(cfg.model.path) / "config.json").is_file()
-    ):
+    if not_built(cfg, paths):
         if not cfg.model.config:
             check_built(cfg, paths)
         found = None  # not built yet: its committed config (the weights are checked later)
