@@ -75,7 +75,9 @@ def test_budget_and_capacity_arithmetic():
         protection_budget(s, 256, 64, 6, 8, 3 * one + 5)
 
 
-def _fake_vllm_config(tmp_path, kv_bytes, max_num_seqs=256, prefix=True, speculative=None):
+def _fake_vllm_config(
+    tmp_path, kv_bytes, max_num_seqs=256, prefix=True, speculative=None, block_size=16, user=False
+):  # fmt: skip
     """The parts of a `VllmConfig` the platform plug-in reads, over a stated-precision model."""
     from types import SimpleNamespace as NS
 
@@ -85,7 +87,10 @@ def _fake_vllm_config(tmp_path, kv_bytes, max_num_seqs=256, prefix=True, specula
     )  # fmt: skip
     return NS(
         model_config=model, parallel_config=None, speculative_config=speculative,
-        cache_config=NS(enable_prefix_caching=prefix, kv_cache_memory_bytes=kv_bytes, block_size=16),
+        cache_config=NS(
+            enable_prefix_caching=prefix, kv_cache_memory_bytes=kv_bytes, block_size=block_size,
+            user_specified_block_size=user,
+        ),
         scheduler_config=NS(max_num_seqs=max_num_seqs),
         additional_config={"quantmla": {"precision": "c4r4"}},
     )  # fmt: skip
@@ -119,6 +124,21 @@ def test_platform_lowers_max_num_seqs_and_takes_the_protection_out_of_the_budget
         configure(_fake_vllm_config(tmp_path, request + one - 1))
     with pytest.raises(QuantMLAError, match="speculative"):
         configure(_fake_vllm_config(tmp_path, 64 << 20, speculative=object()))
+
+
+def test_platform_pages_are_the_backends(tmp_path, capsys):
+    """vLLM's CPU platform picks 128-token pages for MLA where AMX is present (its own kernel's
+    preference): the backend's default replaces it; a user's 128 is refused before any worker."""
+    from quantmla.serving.platform import configure
+
+    config = _fake_vllm_config(tmp_path, 64 << 20, block_size=128)
+    configure(config)
+    assert config.cache_config.block_size == 16
+    configure(asked := _fake_vllm_config(tmp_path, 64 << 20, block_size=32, user=True))
+    assert asked.cache_config.block_size == 32
+    with pytest.raises(ConfigError, match=r"block_size=128 is not allowed; allowed: 16, 32, 64"):
+        configure(_fake_vllm_config(tmp_path, 64 << 20, block_size=128, user=True))
+    capsys.readouterr()
 
 
 def test_settings_refuse_what_the_writer_cannot_pack():

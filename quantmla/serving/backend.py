@@ -39,15 +39,16 @@ from quantmla.serving.paged_attention import (
 from quantmla.serving.platform import PREFIX_CACHING_REFUSED, TAKEN
 from quantmla.serving.protection import ProtectionTable
 from quantmla.serving.settings import (
+    BLOCK_SIZES,
     SERVABLE_WIDTHS,
     ServeSettings,
+    check_block_size,
     check_geometry,
     protection_budget,
     resolve_settings,
 )
 from quantmla_kernels.paged_cache import native
 
-BLOCK_SIZES = (16, 32, 64)  # powers of two: the Triton decode tiles one page
 CONTEXT_CHUNK = 8192  # context tokens per read when vLLM gives no workspace
 
 
@@ -98,8 +99,7 @@ def start_up_checks(config) -> Served:
         raise QuantMLAError(
             "the QuantMLA backend decodes one token per step: no speculative decoding"
         )
-    if cache.block_size not in BLOCK_SIZES:
-        raise QuantMLAError(f"block_size={cache.block_size} is not allowed; allowed: {BLOCK_SIZES}")
+    check_block_size(cache.block_size)
     layers = config.model_config.get_num_layers(config.parallel_config)
     served = Served(
         settings, d_c, d_r, layers, cache.block_size, sched.max_num_seqs,

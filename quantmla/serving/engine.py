@@ -16,6 +16,7 @@ from quantmla.errors import DataNotFoundError, QuantMLAError
 from quantmla.serving.platform import PREFIX_CACHING_REFUSED
 from quantmla.serving.settings import (
     ServeSettings,
+    check_block_size,
     check_geometry,
     fitting_num_seqs,
     predicted_capacity,
@@ -61,6 +62,7 @@ def check(
     geometry = model_geometry(model_dir)
     d_c, d_r, layers = geometry["d_c"], geometry["d_r"], geometry["layers"]
     check_geometry(d_c, d_r)
+    check_block_size(block_size)
     settings = resolve_settings(model_dir, quantmla)
     if kv_cache_memory_bytes is not None and max_num_seqs is not None:
         predicted_capacity(

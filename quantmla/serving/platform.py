@@ -6,8 +6,9 @@ vLLM's CPU platform turns chunked prefill and prefix caching off for MLA (its CP
 read cached context); the QuantMLA backend reads its own pages, so chunked prefill stays as vLLM
 set it. Prefix caching is switched off with one printed line (`PREFIX_CACHING_OFF`): a prefix hit
 would need the BF16 protection rows of the `recent` tokens before the hit, which exist only
-while that request lives. Every start-up refusal is raised here, before vLLM starts a worker, and
-a `max_num_seqs` whose protection the KV budget cannot hold is lowered with a printed line.
+while that request lives. Every start-up refusal is raised here, before vLLM starts a worker; a
+`max_num_seqs` whose protection the KV budget cannot hold is lowered with a printed line, and a
+page size vLLM picked for its own MLA kernels (128 on a CPU with AMX) becomes the backend's 16.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import sys
 
 from quantmla.errors import QuantMLAError
 from quantmla.serving.settings import (
+    BLOCK_SIZES,
+    DEFAULT_BLOCK_SIZE,
+    check_block_size,
     check_geometry,
     fitting_num_seqs,
     protection_budget,
@@ -66,6 +70,9 @@ def configure(vllm_config) -> None:
     hf = model.hf_config
     d_c, d_r = hf.kv_lora_rank, hf.qk_rope_head_dim
     check_geometry(d_c, d_r)
+    if cache.block_size not in BLOCK_SIZES and not cache.user_specified_block_size:
+        cache.block_size = DEFAULT_BLOCK_SIZE  # e.g. the CPU platform's 128 where AMX is present
+    check_block_size(cache.block_size)
     settings = resolve_settings(model.model, additional.get("quantmla"))
     if vllm_config.speculative_config is not None:
         raise QuantMLAError(

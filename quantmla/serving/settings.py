@@ -23,6 +23,8 @@ from quantmla.spec import META_DTYPE_BYTES, SPEC_FIELDS, QuantizerSpec
 SERVABLE_WIDTHS = (320, 512, 576)
 PROTECTION_DTYPES = ("bfloat16", "float32")
 KERNELS = ("auto", "torch", "triton")
+BLOCK_SIZES = (16, 32, 64)  # powers of two: the Triton decode tiles one page
+DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,12 @@ class ServeSettings:
         if not self.quantized:
             return 0
         return (self.sink + self.recent) * (d_c + d_r) * META_DTYPE_BYTES[self.protection_dtype]
+
+
+def check_block_size(block_size: int) -> None:
+    """Pages the backend's kernels tile; one line before vLLM starts a worker."""
+    if block_size not in BLOCK_SIZES:
+        raise ConfigError("block_size", block_size, BLOCK_SIZES)
 
 
 def check_geometry(d_c: int, d_r: int) -> None:
