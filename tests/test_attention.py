@@ -27,3 +27,50 @@ def test_protected_mask_semantics(sink, recent):
     for i, t in enumerate(q_slots.tolist()):
         for j in range(t + 1):
             assert bool(mask[i, j]) == (j < sink or t - j < recent)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_sdpa_with_narrower_values_equals_float64_softmax(masked):
+    """MLA's values (64) are narrower than its keys (128 + 64 here): the padded call is the same
+    attention as float64 math, causal or with a boolean mask."""
+    from quantmla.attention import sdpa
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, 40, 96, generator=gen) for _ in range(2))
+    v = torch.randn(2, 3, 40, 32, generator=gen)
+    allowed = torch.ones(40, 40, dtype=torch.bool).tril()
+    if masked:
+        allowed &= torch.rand(40, 40, generator=gen) < 0.8
+        allowed |= torch.eye(40, dtype=torch.bool)
+    scores = (q.double() @ k.double().transpose(-1, -2)) / 96**0.5
+    ref = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v.double()
+    got = sdpa(q, k, v, attn_mask=allowed) if masked else sdpa(q, k, v, is_causal=True)
+    assert got.shape == v.shape[:-2] + (40, 32)
+    assert torch.allclose(got.double(), ref, atol=1e-5)
+
+
+def test_transformers_mla_through_padded_sdpa_keeps_its_logits():
+    """A random DeepSeek-V2 (values 64 wide, keys 128) switched to the padded SDPA gives the logits
+    of transformers' own SDPA, with and without a padding mask; other models are left as they are."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from quantmla.models.loading import PADDED_SDPA, use_padded_sdpa
+    from quantmla.models.tiny import tiny_mla_v2_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_mla_v2_config(512)).eval()
+    ids = torch.randint(0, 512, (2, 24))
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        want = [model(ids).logits, model(ids, attention_mask=mask).logits]
+        assert use_padded_sdpa(model).config._attn_implementation == PADDED_SDPA
+        got = [model(ids).logits, model(ids, attention_mask=mask).logits]
+    assert torch.allclose(got[0], want[0], atol=1e-5)
+    assert torch.allclose(got[1][0], want[1][0], atol=1e-5)
+    assert torch.allclose(got[1][1, 5:], want[1][1, 5:], atol=1e-5)
+    llama = AutoModelForCausalLM.from_config(
+        LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                    num_attention_heads=2, num_key_value_heads=1)
+    )  # fmt: skip
+    assert use_padded_sdpa(llama).config._attn_implementation == "sdpa"
