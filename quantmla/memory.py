@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from quantmla.spec import META_DTYPE_BYTES, UNQUANTIZED_BITS, QuantizerSpec
+from quantmla.spec import ENGINE_FORMATS, META_DTYPE_BYTES, UNQUANTIZED_BITS, QuantizerSpec
 
 BF16_BYTES = 2
 ZERO_POINT_BYTES = 1  # UINT8
@@ -47,18 +47,30 @@ class CacheLayout:
     def _codes(self, dim: int, bits: int) -> int:
         return dim * BF16_BYTES if bits >= UNQUANTIZED_BITS else dim * bits // 8
 
+    def _groups(self, dim: int, fmt: str) -> int:
+        engine = ENGINE_FORMATS.get(fmt)
+        if engine is None:
+            return dim // self.spec.group_size
+        return 1 if engine.block is None else dim // engine.block
+
+    def _scale_bytes(self, meta_dtype: str, fmt: str) -> int:
+        engine = ENGINE_FORMATS.get(fmt)
+        return META_DTYPE_BYTES[meta_dtype] if engine is None else engine.scale_bytes
+
     def _meta(self, dim: int, bits: int, meta_dtype: str, fmt: str = "int") -> int:
-        """Per group: the scale, and a UINT8 zero point for integer codes (FP8 has none)."""
+        """Per group: the scale, and a UINT8 zero point for integer codes (FP8 has none); an
+        engine format's own blocks and scale bytes."""
         if bits >= UNQUANTIZED_BITS:
             return 0
         zero = ZERO_POINT_BYTES if fmt == "int" else 0
-        return (dim // self.spec.group_size) * (META_DTYPE_BYTES[meta_dtype] + zero)
+        return self._groups(dim, fmt) * (self._scale_bytes(meta_dtype, fmt) + zero)
 
     def metadata_bytes(self) -> int:
+        """Both paths' metadata; padded to 8 B in our page layout, as the engine lays it otherwise."""
         s = self.spec
         raw = self._meta(self.d_c, s.content_bits, s.content_meta_dtype, s.content_format)
         raw += self._meta(self.d_r, s.rope_bits, s.rope_meta_dtype, s.rope_format)
-        return math.ceil(raw / 8) * 8
+        return raw if s.engine else math.ceil(raw / 8) * 8
 
     def token_bytes(self) -> int:
         s = self.spec
@@ -85,8 +97,8 @@ class CacheLayout:
             ("rope", self.d_r, s.rope_bits, s.rope_meta_dtype, s.rope_format),
         ):
             if bits < UNQUANTIZED_BITS:
-                groups = dim // s.group_size
-                arrays.append((f"{path}_scales", t * groups * META_DTYPE_BYTES[meta]))
+                groups = self._groups(dim, fmt)
+                arrays.append((f"{path}_scales", t * groups * self._scale_bytes(meta, fmt)))
                 if fmt == "int":
                     arrays.append((f"{path}_zeros", t * groups * ZERO_POINT_BYTES))
         out, offset = {}, 0
@@ -117,6 +129,14 @@ def layout(precision: str, d_c: int = 512, d_r: int = 64, **fields) -> CacheLayo
 LAYOUTS = {name: layout(name) for name in ("bf16", "c4r4", "c2r4", "c4r16")}
 # vLLM's `fp8_ds_mla`: an E4M3 latent with an FP32 scale per 128 elements, a BF16 RoPE key (656 B).
 LAYOUTS["fp8_ds_mla"] = layout("ce4m3r16", group_size=128, content_meta_dtype="float32")
+# The formats production engines ship for MLA (576 B, 352 B, 306 B, 386 B at 512 + 64), by name.
+ENGINE_PRECISIONS = {
+    "fp8": "ce4m3tre4m3t",  # vLLM `fp8`: both paths E4M3 at a static tensor scale
+    "nvfp4_ds_mla": "cnvfp4re4m3t",  # NVFP4 latent, FP8 RoPE key
+    "mxfp4": "cmxfp4rmxfp4",
+    "turboquant4": "clm4r16",  # rotated Lloyd-Max latent (4 bits + a BF16 norm), BF16 RoPE key
+}
+LAYOUTS.update({name: layout(p) for name, p in ENGINE_PRECISIONS.items()})
 
 
 def compression(precision: str, tokens: int) -> float:

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
 from quantmla.errors import ConfigError, NonFiniteCacheError
-from quantmla.spec import FP8_FORMATS, UNQUANTIZED_BITS, QuantizerSpec, check_bits
+from quantmla.spec import ENGINE_FORMATS, FP8_FORMATS, UNQUANTIZED_BITS, QuantizerSpec, check_bits
 
 SCALE_FLOOR = 1e-8
 # codes pack little-end first into words of lcm(bits, 8) bits (one byte, or three for 3 and 6 bits)
@@ -178,6 +179,94 @@ def fp8_quantize_dequantize(
     return (fp8_round(xg / scale, fmt, ste).to(xg.dtype) * scale).flatten(-2).to(x.dtype)
 
 
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # FP4's non-negative values
+E2M1_MAX = 6.0
+E4M3_MIN_SUBNORMAL = 2.0**-9
+
+
+def e2m1_round(v: torch.Tensor, ste: bool = False) -> torch.Tensor:
+    """v rounded to the nearest E2M1 value (ties to the even mantissa, as IEEE), saturating at ±6."""
+    grid = torch.tensor(E2M1_VALUES, dtype=v.dtype, device=v.device)
+    a = v.abs().clamp(max=E2M1_MAX)
+    lo = (torch.bucketize(a, grid, right=True) - 1).clamp(max=len(E2M1_VALUES) - 2)
+    below, above = grid[lo], grid[lo + 1]
+    up = (above - a < a - below) | ((above - a == a - below) & ((lo + 1) % 2 == 0))
+    rounded = torch.where(up, above, below).copysign(v)
+    return v + (rounded - v).detach() if ste else rounded
+
+
+def nvfp4_quantize_dequantize(x: torch.Tensor, ste: bool = False) -> torch.Tensor:
+    """NVFP4 per token: blocks of 16, scale max|x|/6 rounded to E4M3 (tensor scale 1.0, so a
+    block below E4M3's range keeps its smallest subnormal), E2M1 values."""
+    xg = _grouped(x.to(torch.promote_types(x.dtype, torch.float32)), 16)
+    scale = fp8_round(xg.abs().amax(dim=-1, keepdim=True) / E2M1_MAX, "e4m3", ste)
+    scale = scale.to(xg.dtype).clamp_min(E4M3_MIN_SUBNORMAL)
+    return (e2m1_round(xg / scale, ste) * scale).flatten(-2).to(x.dtype)
+
+
+def mxfp4_quantize_dequantize(x: torch.Tensor, ste: bool = False) -> torch.Tensor:
+    """MXFP4 (OCP MX v1.0) per token: blocks of 32 share 2^(floor(log2 max|x|) − 2) (E8M0; E2M1's
+    largest exponent is 2), E2M1 values saturating at ±6."""
+    xg = _grouped(x.to(torch.promote_types(x.dtype, torch.float32)), 32)
+    amax = xg.abs().amax(dim=-1, keepdim=True).detach()
+    exponent = torch.floor(torch.log2(amax.clamp_min(2.0**-127))) - 2
+    scale = torch.exp2(exponent.clamp(-127, 127))
+    return (e2m1_round(xg / scale, ste) * scale).flatten(-2).to(x.dtype)
+
+
+@cache
+def gaussian_lloyd_max(levels: int = 16, iterations: int = 500) -> tuple[float, ...]:
+    """The MSE-optimal `levels`-point scalar quantizer of N(0, 1) (Lloyd's algorithm on the exact
+    density: each level the centroid of its cell, each boundary the midpoint of its levels)."""
+    pdf = lambda t: math.exp(-t * t / 2) / math.sqrt(2 * math.pi)  # noqa: E731
+    cdf = lambda t: 0.5 * (1 + math.erf(t / math.sqrt(2)))  # noqa: E731
+    points = [-3 + 6 * (i + 0.5) / levels for i in range(levels)]
+    for _ in range(iterations):
+        edges = [-math.inf, *((a + b) / 2 for a, b in zip(points, points[1:])), math.inf]
+        points = [
+            (pdf(a) - pdf(b)) / (cdf(b) - cdf(a)) for a, b in zip(edges, edges[1:])
+        ]  # fmt: skip
+    return tuple(points)
+
+
+@cache
+def hadamard_rotation(dim: int, seed: int = 0) -> torch.Tensor:
+    """H_dim · diag(±1) / √dim (float64): Sylvester's Hadamard matrix with fixed random signs,
+    orthogonal; `dim` a power of two."""
+    if dim < 1 or dim & (dim - 1):
+        raise ConfigError("hadamard dimension", dim, "a power of two")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.randint(0, 2, (dim,), generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    return h * signs.double() / math.sqrt(dim)
+
+
+def lloyd_max_quantize_dequantize(x: torch.Tensor, ste: bool = False) -> torch.Tensor:
+    """TurboQuant's MSE quantizer, 4 bits: rotate the token's vector by `hadamard_rotation`, scale
+    its coordinates by √d / ‖x‖ (the norm stored in BF16) to ~N(0, 1), round each to the nearest
+    `gaussian_lloyd_max` level, undo both."""
+    work = x.to(torch.promote_types(x.dtype, torch.float32))
+    d = work.shape[-1]
+    rot = hadamard_rotation(d).to(work.device, work.dtype)
+    norm = work.norm(dim=-1, keepdim=True).to(torch.bfloat16).to(work.dtype).clamp_min(SCALE_FLOOR)
+    u = (work @ rot.T) * (math.sqrt(d) / norm)
+    levels = torch.tensor(gaussian_lloyd_max(16), dtype=work.dtype, device=work.device)
+    cells = torch.bucketize(u.detach(), (levels[1:] + levels[:-1]) / 2)
+    rounded = levels[cells]
+    u = u + (rounded - u).detach() if ste else rounded
+    return ((u * (norm / math.sqrt(d))) @ rot).to(x.dtype)
+
+
+ENGINE_QDQ = {
+    "e4m3t": lambda x, ste: fp8_round(x, "e4m3", ste).to(x.dtype),
+    "nvfp4": nvfp4_quantize_dequantize,
+    "mxfp4": mxfp4_quantize_dequantize,
+    "lm4": lloyd_max_quantize_dequantize,
+}
+assert set(ENGINE_QDQ) == set(ENGINE_FORMATS)
+
+
 def qdq_content(spec: QuantizerSpec, x: torch.Tensor, ste: bool = False) -> torch.Tensor:
     """Fake-quantize the content latent as the cache stores it (identity at 16 bits)."""
     return _qdq_path(
@@ -196,6 +285,8 @@ def _qdq_path(x, bits: int, fmt: str, group_size: int, meta: str, ste: bool) -> 
     if bits >= UNQUANTIZED_BITS:
         return x
     meta_dtype = getattr(torch, meta)
+    if fmt in ENGINE_QDQ:
+        return ENGINE_QDQ[fmt](x, ste)
     if fmt != "int":
         return fp8_quantize_dequantize(x, fmt, group_size, meta_dtype, ste)
     return quantize_dequantize(x, bits, group_size, meta_dtype=meta_dtype, ste=ste)

@@ -15,31 +15,67 @@ from quantmla.errors import ConfigError
 UNQUANTIZED_BITS = 16  # a path at 16 bits is stored as BF16, not quantized
 # Floating-point 8-bit formats a path may use instead of integer codes: (exponent, mantissa) bits.
 FP8_FORMATS = {"e4m3": (4, 3), "e5m2": (5, 2)}
-FORMATS = ("int", *FP8_FORMATS)
+
+
+@dataclass(frozen=True)
+class EngineFormat:
+    """A cache format production engines ship, with its own blocks and scale encoding (the spec's
+    group size and metadata dtypes do not apply): `block` elements share `scale_bytes` of scale
+    (block None: the whole path vector of a token)."""
+
+    bits: int
+    block: int | None
+    scale_bytes: int
+    what: str
+
+
+ENGINE_FORMATS = {
+    "e4m3t": EngineFormat(8, None, 0, "FP8 E4M3, static tensor scale 1.0 (vLLM `fp8` by default)"),
+    "nvfp4": EngineFormat(4, 16, 1, "E2M1 values, an E4M3 scale per 16, tensor scale 1.0"),
+    "mxfp4": EngineFormat(4, 32, 1, "E2M1 values, an E8M0 (power of two) scale per 32"),
+    "lm4": EngineFormat(
+        4,
+        None,
+        2,
+        "randomized Hadamard rotation, 16-level Gaussian Lloyd-Max codebook on "
+        "coordinates scaled by the vector's norm (BF16)",
+    ),  # fmt: skip
+}
+FORMATS = ("int", *FP8_FORMATS, *ENGINE_FORMATS)
+_TOKENS = "|".join(sorted((*FP8_FORMATS, *ENGINE_FORMATS), key=len, reverse=True))
 # Metadata dtypes a cache may store scales/zeros in, with their size in bytes.
 META_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _META_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-_PRECISION_RE = re.compile(r"c(\d+|e4m3|e5m2)r(\d+|e4m3|e5m2)")
+_PRECISION_RE = re.compile(rf"c(\d+|{_TOKENS})r(\d+|{_TOKENS})")
 # The fields besides the precision that fix a spec (a policy or serving config carries them too).
 SPEC_FIELDS = ("group_size", "content_meta_dtype", "rope_meta_dtype")
 PRECISION_ALLOWED = (
-    "'bf16' or 'c<x>r<y>' with x, y in 1..8 (integer bits), 16 (BF16) or e4m3 / e5m2 (FP8) "
-    "(e.g. c4r4, c2r4, c4r16, ce4m3r16)"
+    "'bf16' or 'c<x>r<y>' with x, y in 1..8 (integer bits), 16 (BF16), e4m3 / e5m2 (FP8, a "
+    "scale per group) or an engine format: e4m3t, nvfp4, mxfp4, lm4 "
+    "(e.g. c4r4, c2r4, c4r16, ce4m3r16, cnvfp4re4m3t)"
 )
 
 
 def parse_formats(precision: str) -> tuple[tuple[int, str], tuple[int, str]]:
     """((bits, format), (bits, format)) of the content and RoPE paths: 'bf16' or 'c<x>r<y>';
-    an FP8 token (e4m3, e5m2) is 8 bits of that format, a number that many integer bits."""
+    a format token (e4m3, nvfp4, ...) is that format at its bits, a number that many integer bits."""
     if precision == "bf16":
         return (UNQUANTIZED_BITS, "int"), (UNQUANTIZED_BITS, "int")
     match = _PRECISION_RE.fullmatch(str(precision))
     if not match:
         raise ConfigError("precision", precision, PRECISION_ALLOWED)
-    paths = tuple((8, g) if g in FP8_FORMATS else (int(g), "int") for g in match.groups())
+    paths = tuple(_path_format(g) for g in match.groups())
     if any(not (1 <= b <= 8 or b == UNQUANTIZED_BITS) for b, _ in paths):
         raise ConfigError("precision", precision, PRECISION_ALLOWED)
     return paths
+
+
+def _path_format(token: str) -> tuple[int, str]:
+    if token in FP8_FORMATS:
+        return 8, token
+    if token in ENGINE_FORMATS:
+        return ENGINE_FORMATS[token].bits, token
+    return int(token), "int"
 
 
 def parse_precision(precision: str) -> tuple[int, int]:
@@ -78,8 +114,12 @@ class QuantizerSpec:
             fmt = getattr(self, name)
             if fmt not in FORMATS:
                 raise ConfigError(name, fmt, FORMATS)
-            if fmt != "int" and bits != 8:
+            if fmt in FP8_FORMATS and bits != 8:
                 raise ConfigError(f"{name.split('_')[0]}_bits ({fmt})", bits, "8 for an FP8 format")
+            if fmt in ENGINE_FORMATS and bits != ENGINE_FORMATS[fmt].bits:
+                raise ConfigError(
+                    f"{name.split('_')[0]}_bits ({fmt})", bits, ENGINE_FORMATS[fmt].bits
+                )
 
     @classmethod
     def from_precision(cls, precision: str, **fields) -> QuantizerSpec:
@@ -89,6 +129,16 @@ class QuantizerSpec:
     @property
     def fp8(self) -> bool:
         return self.content_format != "int" or self.rope_format != "int"
+
+    @property
+    def packable(self) -> bool:
+        """Every quantized path in integer codes: what the packed cache and its kernels hold."""
+        return not self.fp8
+
+    @property
+    def engine(self) -> bool:
+        """A path in an engine format (bytes as that engine lays them out, no padding of ours)."""
+        return self.content_format in ENGINE_FORMATS or self.rope_format in ENGINE_FORMATS
 
     @property
     def quantized(self) -> bool:
@@ -106,18 +156,35 @@ class QuantizerSpec:
     def key(self) -> str:
         """e.g. 'c4r4-asym-pertoken-g64-rne-content_bf16-rope_fp32' ('asym+fp8' with an FP8 path:
         its groups have an absmax scale and no zero point)."""
-        scheme = "asym+fp8" if self.fp8 else "asym"
+        named = {"fp8" if f in FP8_FORMATS else f for f in (self.content_format, self.rope_format)}
+        scheme = "+".join(["asym", *sorted(named - {"int"})])
         return (
             f"{self.precision}-{scheme}-pertoken-g{self.group_size}-rne"
             f"-content_{_META_SHORT[self.content_meta_dtype]}-rope_{_META_SHORT[self.rope_meta_dtype]}"
         )
 
     def check_dims(self, d_c: int, d_r: int) -> None:
-        """The group size must divide both cached widths (only when something is quantized)."""
-        if not self.quantized:
-            return
-        for name, dim in (("d_c", d_c), ("d_r", d_r)):
-            if dim % self.group_size:
+        """The group size must divide every quantized path grouped by it; an engine format's own
+        block must divide its path (`lm4`'s Hadamard rotation needs a power-of-two width)."""
+        paths = (
+            ("d_c", d_c, self.content_bits, self.content_format),
+            ("d_r", d_r, self.rope_bits, self.rope_format),
+        )
+        for name, dim, bits, fmt in paths:
+            engine = ENGINE_FORMATS.get(fmt)
+            if bits >= UNQUANTIZED_BITS or (engine is not None and engine.block is None):
+                if fmt == "lm4" and dim & (dim - 1):
+                    raise ConfigError(
+                        f"precision ({fmt})", self.precision, f"a power-of-two {name} (got {dim})"
+                    )
+                continue
+            if engine is not None and dim % engine.block:
+                raise ConfigError(
+                    f"precision ({fmt})",
+                    self.precision,
+                    f"{name}={dim} divisible by {engine.block}",
+                )
+            if engine is None and dim % self.group_size:
                 raise ConfigError(
                     "group_size",
                     self.group_size,

@@ -38,12 +38,12 @@ def paths(layout: CacheLayout) -> tuple[Path, Path]:
 def check_packable(layout: CacheLayout) -> None:
     """One line for a layout the packed cache cannot hold."""
     s = layout.spec
-    if s.fp8:
+    if not s.packable:
         raise ConfigError(
             f"precision {s.precision} (packed cache)",
-            "an FP8 path",
-            "integer codes for the packed writer and decode (FP8 formats: cache.backend=simulator; "
-            "the memory model counts their bytes)",
+            "an FP8, FP4 or codebook path",
+            "integer codes for the packed writer and decode (FP8 formats and the engine formats: "
+            "cache.backend=simulator; the memory model counts their bytes)",
         )
     for path in paths(layout):
         if path.bits not in PACKABLE_BITS:

@@ -42,10 +42,11 @@ class ServeSettings:
 
     def __post_init__(self):
         spec = self.spec  # validates precision, group size, metadata dtypes
-        if spec.fp8:
+        if not spec.packable:
             raise ConfigError(
-                "quantmla.precision", self.precision, "integer codes: FP8 paths are not packed yet"
-            )
+                "quantmla.precision", self.precision,
+                "integer codes: FP8, FP4 and codebook paths are simulated, not packed",
+            )  # fmt: skip
         if spec.quantized:
             for name, bits in (("content", spec.content_bits), ("rope", spec.rope_bits)):
                 if bits not in PACKABLE_BITS:
