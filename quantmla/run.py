@@ -60,7 +60,8 @@ def run(cfg) -> dict | None:
     from quantmla.paths import repo_root
     from quantmla.prepare import prepare
     from quantmla.tracking.store import make_record
-    from quantmla.tracking.wandb_mirror import ATTACHED, LM_EVAL_RESULTS, mirror
+    from quantmla.tracking.store import ATTACHED, LM_EVAL_RESULTS
+    from quantmla.tracking.wandb_mirror import mirror
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

@@ -111,7 +111,9 @@ def test_the_packed_cache_and_the_server_refuse_fp8_in_one_line():
     from quantmla.serving.settings import ServeSettings
     from quantmla_kernels.paged_cache.layout import check_packable
 
-    with pytest.raises(ConfigError, match="FP8 formats and the engine formats: cache.backend=simulator"):
+    with pytest.raises(
+        ConfigError, match="FP8 formats and the engine formats: cache.backend=simulator"
+    ):
         check_packable(LAYOUTS["fp8_ds_mla"])
     with pytest.raises(ConfigError, match="FP8, FP4 and codebook paths are simulated"):
         ServeSettings(precision="ce4m3r4")

@@ -296,3 +296,95 @@ def test_fixture_store_is_from_the_previous_layout():
         assert "probes" in record["config"]["eval"]  # a field only the probes kind reads
         assert config_hash(record["config"]) == path.parent.name
         assert Path(path).parent.name != config_hash(narrow_eval(record["config"]))
+
+
+def _contracts() -> list[dict]:
+    import tomllib
+
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+
+
+def _layer_of(module: str, layers: list[list[str]]) -> int:
+    """Index (0 = top) of the layer holding `module` (or its package)."""
+    for i, names in enumerate(layers):
+        if any(module == n or module.startswith(n + ".") for n in names):
+            return i
+    raise AssertionError(f"{module} is in no layer of the layers contract")
+
+
+def _layers() -> list[list[str]]:
+    (contract,) = [c for c in _contracts() if c["type"] == "layers"]
+    return [[n.strip() for n in layer.split("|")] for layer in contract["layers"]]
+
+
+def test_kernels_contract_forbids_every_other_module():
+    """The kernels may import the spec, the quant math, the byte layout and errors: every other
+    top-level module of quantmla is in the contract's forbidden list (a new module too)."""
+    (contract,) = [c for c in _contracts() if c.get("source_modules") == ["quantmla_kernels"]]
+    allowed = {
+        "quantmla.spec",
+        "quantmla.quant",
+        "quantmla.memory",
+        "quantmla.errors",
+        "quantmla._lazy",
+    }
+    top = {
+        f"quantmla.{p.stem}"
+        for p in (REPO / "quantmla").iterdir()
+        if p.stem != "__init__" and not p.name.startswith(".")
+    }
+    top = {
+        m
+        for m in top
+        if (REPO / m.replace(".", "/")).is_dir() or (REPO / f"{m.replace('.', '/')}.py").is_file()
+    }
+    assert set(contract["forbidden_modules"]) == (top - allowed) | {"analysis", "experiments"}
+
+
+def test_modules_imported_by_name_sit_at_or_below_their_importer():
+    """The import-linter cannot see `importlib.import_module`: every module a registry names is
+    importable and at its registrant's layer or below (evaluators, their checks, methods, lazy
+    package exports, our own model families)."""
+    import quantmla
+    import quantmla.data
+    from quantmla.methods.registry import METHODS
+    from quantmla.models.loading import OWN_FAMILIES
+
+    layers = _layers()
+    named = [("quantmla.evaluation.registry", e.module) for e in EVALUATORS.values() if e.module]
+    named += [
+        ("quantmla.evaluation.registry", e.check.split(":")[0])
+        for e in EVALUATORS.values()
+        if e.check
+    ]
+    named += [
+        ("quantmla.methods.registry", m.target.split(":")[0]) for m in METHODS.values() if m.target
+    ]
+    named += [("quantmla.models.loading", m) for m in OWN_FAMILIES.values()]
+    named += [("quantmla.data", m) for m in set(quantmla.data._EXPORTS.values())]
+    assert len(named) > 15
+    for importer, module in named:
+        assert importlib.util.find_spec(module) is not None, module
+        assert _layer_of(module, layers) >= _layer_of(importer, layers), f"{importer} -> {module}"
+    # the package's own exports are for users: anything but the CLIs
+    for module in set(quantmla._EXPORTS.values()):
+        assert _layer_of(module, layers) > _layer_of("quantmla.cli", layers), module
+
+
+def test_architecture_table_lists_the_layers_contract_in_order():
+    """docs/architecture.md's table names every module of the layers contract, in its order."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "`" in line]
+    named = [
+        re.findall(
+            r"`((?:quantmla|quantmla_kernels|analysis|experiments)[\w.]*)/?`", r.split("|")[2]
+        )
+        for r in rows
+    ]
+    named = [[n.rstrip("/") for n in row] for row in named if row]
+    layers = _layers()
+    flat = [n for row in named for n in row]
+    in_contract = {n for layer in layers for n in layer}
+    assert in_contract <= set(flat), in_contract - set(flat)
+    order = [_layer_of(n, layers) for n in flat if n in in_contract]
+    assert order == sorted(order), "the table's rows are not in the contract's layer order"

@@ -20,6 +20,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+ATTACHED = "_"  # metrics keys an evaluator hands to the loggers only, never to the record
+LM_EVAL_RESULTS = "_lm_eval/results"  # lm-eval's full results, attached for W&B
+
 # Config keys (dotted paths) that never change a result: where things are written or read from,
 # logging, and re-run control. The experiment name is part of the record's path instead.
 # `cache`: the packed backend computes the simulator's function (tests/test_packed_generation.py)

@@ -22,8 +22,6 @@ from typing import Any
 
 PAPER_SUFFIXES = {"_content": "_C", "_rope": "_P"}  # R_content -> R_C, G_rope -> G_P
 CALIBRATION_HISTORY = "method/report/history"
-ATTACHED = "_"  # metrics keys an evaluator hands to the loggers only, never to the record
-LM_EVAL_RESULTS = "_lm_eval/results"
 PER_LAYER_NAMES = {"nmse/attn_layers": "attn_nmse"}
 
 

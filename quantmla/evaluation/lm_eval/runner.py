@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from quantmla.evaluation.lm_eval.suites import TASKS, TASKS_DIR, data_mode
-from quantmla.tracking.wandb_mirror import LM_EVAL_RESULTS
+from quantmla.tracking.store import LM_EVAL_RESULTS
 
 
 def task_manager(metadata: dict):
