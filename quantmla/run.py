@@ -59,8 +59,7 @@ def run(cfg) -> dict | None:
 
     from quantmla.paths import repo_root
     from quantmla.prepare import prepare
-    from quantmla.tracking.store import make_record
-    from quantmla.tracking.store import ATTACHED, LM_EVAL_RESULTS
+    from quantmla.tracking.store import ATTACHED, LM_EVAL_RESULTS, make_record
     from quantmla.tracking.wandb_mirror import mirror
 
     if cfg.threads:
