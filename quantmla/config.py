@@ -199,6 +199,11 @@ class EvalConfig:
         "False, the policy before vLLM reserved whole prompts), not only when its whole prompt does",
     )
     tensor_parallel: int = opt(1, "throughput: vLLM tensor_parallel_size")
+    trial: int = opt(
+        0,
+        "throughput: which repeat of an otherwise identical job (0, 1, 2, ...): each keeps its "
+        "record, tables show the median and min-max over repeats (0 is keyed as before repeats)",
+    )
 
 
 @dataclass

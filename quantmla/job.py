@@ -42,13 +42,17 @@ def eval_fields(evaluator) -> tuple[str, ...]:
 
 def narrow_eval(config: dict) -> dict:
     """A resolved config dict with its `eval` block cut to the kind's own fields (the record form)."""
-    from quantmla.evaluation.registry import EVALUATORS
+    from quantmla.evaluation.registry import EVALUATORS, HASH_NEUTRAL
 
     block = config["eval"]
     evaluator = EVALUATORS.get(block["kind"])
     if evaluator is None:
         raise ConfigError("eval.kind", block["kind"], tuple(EVALUATORS))
-    return {**config, "eval": {k: block[k] for k in eval_fields(evaluator) if k in block}}
+    kept = (k for k in eval_fields(evaluator) if k in block)
+    return {
+        **config,
+        "eval": {k: block[k] for k in kept if k not in HASH_NEUTRAL or block[k] != HASH_NEUTRAL[k]},
+    }
 
 
 def narrow_precision(config: dict) -> dict:

@@ -99,7 +99,7 @@ def test_fig5c_sweep_pairs_bf16_with_packed_per_policy_chunk_and_budget(tmp_path
     requests BF16 holds computed from the records; a cell with one precision only is left out."""
     from analysis.throughput import fig5c_sweep, sweep_rows
 
-    def rec(precision, budget, first_chunk, tok_s, capacity, preempt, chunk=256):
+    def rec(precision, budget, first_chunk, tok_s, capacity, preempt, chunk=256, trial=0):
         metrics = {
             "throughput/output_tok_s": tok_s, "throughput/kv_capacity_tokens": capacity,
             "throughput/input_tokens": 3968, "throughput/output_tokens": 32,
@@ -109,7 +109,8 @@ def test_fig5c_sweep_pairs_bf16_with_packed_per_policy_chunk_and_budget(tmp_path
         return {
             "config": {
                 "model": {"name": "tiny_mla_v2_4k"}, "precision": {"name": precision},
-                "eval": {"kv_cache_memory_bytes": budget, "first_chunk_admission": first_chunk},
+                "eval": {"kv_cache_memory_bytes": budget, "first_chunk_admission": first_chunk,
+                         **({"trial": trial} if trial else {})},
             },
             "metrics": metrics,
         }  # fmt: skip
@@ -129,6 +130,28 @@ def test_fig5c_sweep_pairs_bf16_with_packed_per_policy_chunk_and_budget(tmp_path
     assert rows[2][3] == "1.50" and rows[2][4] == "12" and rows[2][-1] == "3.00x"
     assert rows[1][-1] == "1.10x" and rows[3][-1] == "4.00x" and rows[-1][-1] == "5.168x"
     assert all(p.stat().st_size > 1000 for p in fig5c_sweep(records, tmp_path, "s", paper))
+    # repeats (eval.trial): each repeat's own ratio; the median and min–max over them; a repeat
+    # missing one precision is left out; tok/s and preemptions are medians
+    repeated = records + [
+        rec("bf16", 25_000_000, True, 3.0, 6000, 14, trial=1), rec("c4r4", 25_000_000, True, 6.0, 20000, 0, trial=1),
+        rec("bf16", 25_000_000, True, 1.5, 6000, 13, trial=2), rec("c4r4", 25_000_000, True, 7.5, 20000, 0, trial=2),
+        rec("c4r4", 25_000_000, True, 99.0, 20000, 0, trial=3),
+    ]  # fmt: skip
+    row = sweep_rows(repeated)[2]
+    assert row[-1] == "3.00x [2.00–5.00] (3)"  # ratios 3.0, 2.0, 5.0
+    assert row[4] == "13" and row[6] == "2.00" and row[9] == "6.00"
+    assert all(p.stat().st_size > 1000 for p in fig5c_sweep(repeated, tmp_path, "r", paper))
+
+
+def test_throughput_repeats_are_separate_records_and_the_first_keeps_its_key():
+    """eval.trial keys each repeat apart; trial 0 is left out, so records written before
+    repeats existed keep their keys."""
+    from quantmla.job import narrow_eval
+
+    base = {"eval": {"kind": "throughput", "requests": 5, "trial": 0}, "model": {"name": "m"}}
+    first = narrow_eval(base)
+    again = narrow_eval({**base, "eval": {**base["eval"], "trial": 1}})
+    assert "trial" not in first["eval"] and again["eval"]["trial"] == 1
 
 
 def test_kernels_compile_table_summarises_per_kernel_and_lists_hot_rows():

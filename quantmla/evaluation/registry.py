@@ -40,6 +40,11 @@ STUDY_FIELDS = (
 )
 
 
+# Fields added after records existed, left out of a record's config at these values so that the
+# records written before them keep their keys.
+HASH_NEUTRAL = {"trial": 0}
+
+
 @dataclass(frozen=True)
 class Evaluator:
     kind: str
@@ -148,6 +153,7 @@ EVALUATORS: dict[str, Evaluator] = {
                 "max_num_batched_tokens",
                 "first_chunk_admission",
                 "tensor_parallel",
+                "trial",
             ),
             "quantmla.evaluation.throughput:check",
         ),

@@ -41,6 +41,8 @@ def check(cfg, job) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"eval.{name}", value, "an integer >= 1")
+    if isinstance(e.trial, bool) or not isinstance(e.trial, int) or e.trial < 0:
+        raise ConfigError("eval.trial", e.trial, "an integer >= 0")
     check_servable(job.paths.serve_python, job.model_config, job.policy, "eval.kind=throughput")
     config = job.model_config
     if config is not None:
