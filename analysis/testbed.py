@@ -4,6 +4,8 @@ tiny-mla-v2's (`smol_outliers`), and RTN's cost with and without protection (`sm
 
 from __future__ import annotations
 
+import math
+
 ROWS = (
     ("source", "SmolLM2-135M-Instruct (Llama, GQA; the source)"),
     ("converted", "converted to MLA, before healing"),
@@ -18,7 +20,21 @@ def _by(records: list[dict], row: str, kind: str) -> dict | None:
         for r in records
         if r["config"]["model"].get("row") == row and r["config"]["eval"]["kind"] == kind
     ]
-    return max(found, key=lambda r: r.get("created", "")) if found else None
+    size = lambda r: r["metrics"].get("windows/wikitext2", 0)  # noqa: E731  (perplexity: most windows)
+    return max(found, key=lambda r: (size(r), r.get("created", ""))) if found else None
+
+
+def _common_delta(m: dict, base: dict, dataset: str) -> str:
+    """`m`'s perplexity and its change vs the source on the windows both measured (per-window NLLs
+    are in both records; a shorter source run compares on its windows, said so)."""
+    value = m[f"ppl/{dataset}"]
+    mine, theirs = m.get(f"nll_windows/{dataset}"), base.get(f"nll_windows/{dataset}")
+    if not mine or not theirs:
+        return _delta(value, base.get(f"ppl/{dataset}"))
+    n = min(len(mine), len(theirs))
+    change = 100 * (math.exp(sum(mine[:n]) / n - sum(theirs[:n]) / n) - 1)
+    where = "" if n == len(mine) == len(theirs) else f" on the first {n}"
+    return f"{value:.2f} ({change:+.1f} %{where})"
 
 
 def _delta(value: float, base: float | None) -> str:
@@ -50,8 +66,10 @@ def testbed_rows(records: list[dict]) -> list[list[str]]:
             if ppl is None:
                 cells.append("—")
                 continue
-            value = ppl["metrics"][f"ppl/{dataset}"]
-            cells.append(_delta(value, None if row == "source" else base.get(f"ppl/{dataset}")))
+            if row == "source" or not base:
+                cells.append(f"{ppl['metrics'][f'ppl/{dataset}']:.2f}")
+            else:
+                cells.append(_common_delta(ppl["metrics"], base, dataset))
         m = ppl["metrics"] if ppl else {}
         cells.append(f"{m['windows/wikitext2']} + {m['windows/c4']}" if ppl else "—")
         for task in tasks:

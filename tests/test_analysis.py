@@ -215,6 +215,24 @@ def test_smol_testbed_tables_from_records():
         "50.0",
         "55.0",
     ]
+    # the perplexity record with the most windows is shown; its change vs a shorter source run
+    # is computed from both records' per-window NLLs on the windows both measured
+    import math
+
+    nll = {"nll_windows/wikitext2": [3.0, 3.2, 3.4], "nll_windows/c4": [3.3]}
+    whole = {
+        "ppl/wikitext2": math.exp(3.2),
+        "ppl/c4": math.exp(3.3),
+        "windows/wikitext2": 3,
+        "windows/c4": 1,
+        **nll,
+    }
+    base = {"nll_windows/wikitext2": [2.9, 3.0], "nll_windows/c4": [3.3]}
+    records[0]["metrics"].update(base)
+    rows = testbed.testbed_rows([*records, ref("published", "perplexity", whole)])
+    first_two = 100 * (math.exp((3.0 + 3.2) / 2 - (2.9 + 3.0) / 2) - 1)
+    assert rows[3][1] == f"{math.exp(3.2):.2f} ({first_two:+.1f} % on the first 2)"
+    assert rows[3][2] == f"{math.exp(3.3):.2f} (+0.0 %)" and rows[3][3] == "5 + 1"
 
     def job(name, sink, recent, wt, nmse=None):
         metrics = {
