@@ -219,11 +219,11 @@ def test_smol_testbed_tables_from_records():
     # is computed from both records' per-window NLLs on the windows both measured
     import math
 
-    nll = {"nll_windows/wikitext2": [3.0, 3.2, 3.4], "nll_windows/c4": [3.3]}
+    nll = {"nll_windows/wikitext2": [3.0, 3.2, 3.4, 3.1, 3.3], "nll_windows/c4": [3.3]}
     whole = {
         "ppl/wikitext2": math.exp(3.2),
         "ppl/c4": math.exp(3.3),
-        "windows/wikitext2": 3,
+        "windows/wikitext2": 5,
         "windows/c4": 1,
         **nll,
     }
