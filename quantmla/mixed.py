@@ -11,6 +11,7 @@ layer at its chosen format; the record carries the choice, its prediction and ev
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -314,8 +315,21 @@ def candidate_results(job, model, adapter, modules, tokenizer, specs: dict) -> d
     return results
 
 
-def allocate_for_job(job, model, adapter, modules, tokenizer) -> tuple[Allocation, dict]:
-    """The allocation of a `precision=mixed` job on its (BF16-patched, unfused) model, and what it used."""
+@dataclass
+class Measured:
+    """What every candidate format costs each layer after the job's method, on the allocation
+    windows: the method's result per candidate and each layer's per-path errors."""
+
+    candidates: list[str]
+    results: dict  # candidate -> the method's result at it (None: nothing applied)
+    windows: torch.Tensor
+    errors: dict[str, np.ndarray]  # ERROR_KEYS -> (layers, candidates)
+    d_c: int
+    d_r: int
+
+
+def measure_candidates(job, model, adapter, modules, tokenizer) -> Measured:
+    """The method at every candidate, then each layer's cache and output errors at each."""
     from quantmla.data import load_text, perplexity_windows, tokenize
 
     cfg, p = job.cfg, job.cfg.precision
@@ -331,8 +345,13 @@ def allocate_for_job(job, model, adapter, modules, tokenizer) -> tuple[Allocatio
     ctx = CalibrationContext(
         model, adapter, modules, store, torch.arange(windows.shape[0]), torch.arange(0)
     )
-    measured = format_errors(ctx, results, specs, job.policy.sink, job.policy.recent)
-    report = {"candidates": candidates, "error_model": p.allocation_error}
+    errors = format_errors(ctx, results, specs, job.policy.sink, job.policy.recent)
+    return Measured(candidates, results, windows, errors, d_c, d_r)
+
+
+def layer_errors(job, measured: Measured, model, modules) -> tuple[np.ndarray, dict]:
+    """(layers, candidates) predicted errors under `precision.allocation_error`, and its inputs."""
+    p, m = job.cfg.precision, measured.errors
     if p.allocation_error == "response":
         rc, rp, cells = sensitivity_responses(job)
         if len(rc) != len(modules):
@@ -340,44 +359,61 @@ def allocate_for_job(job, model, adapter, modules, tokenizer) -> tuple[Allocatio
                 "precision.sensitivity_experiment", p.sensitivity_experiment,
                 f"records with {len(modules)} layers (they have {len(rc)})",
             )  # fmt: skip
-        errors = predicted_errors(rc, rp, measured["cache_content"], measured["cache_rope"])
-        report.update(r_content=rc.tolist(), r_rope=rp.tolist(), sensitivity_cells=cells)
-    elif p.allocation_error == "output":  # each layer's measured output NMSE, the two paths' sum
-        errors = measured["output_content"] + measured["output_rope"]
-    else:  # "loss": the output NMSE in nats of next-token KL, each layer's own propagation
-        kl, probe_nmse, weights = loss_weights(model, modules, windows)
-        errors = weights[:, None] * (measured["output_content"] + measured["output_rope"])
-        report.update(
-            loss_probe=LOSS_PROBE, probe_kl=kl.tolist(), probe_output_nmse=probe_nmse.tolist(),
-            loss_weights=weights.tolist(),
-        )  # fmt: skip
-    sizes = format_bytes(candidates, d_c, d_r, p.group_size)
+        errors = predicted_errors(rc, rp, m["cache_content"], m["cache_rope"])
+        return errors, dict(r_content=rc.tolist(), r_rope=rp.tolist(), sensitivity_cells=cells)
+    if p.allocation_error == "output":  # each layer's measured output NMSE, the two paths' sum
+        return m["output_content"] + m["output_rope"], {}
+    # "loss": the output NMSE in nats of next-token KL, each layer's own propagation
+    kl, probe_nmse, weights = loss_weights(model, modules, measured.windows)
+    errors = weights[:, None] * (m["output_content"] + m["output_rope"])
+    return errors, dict(
+        loss_probe=LOSS_PROBE, probe_kl=kl.tolist(), probe_output_nmse=probe_nmse.tolist(),
+        loss_weights=weights.tolist(),
+    )  # fmt: skip
+
+
+def choose(job, measured: Measured, errors, model, adapter, modules) -> tuple[Allocation, dict]:
+    """The allocation with the least predicted error within the budget; with `joint_top` k > 1,
+    of the k best the one whose whole run has the lowest next-token KL."""
+    p, candidates = job.cfg.precision, measured.candidates
+    sizes = format_bytes(candidates, measured.d_c, measured.d_r, p.group_size)
     best = best_allocations(errors, sizes, p.budget_bytes, candidates, p.joint_top)
-    allocation = best[0]
-    if len(best) > 1:  # the error model's shortlist, run whole: the lowest measured KL is taken
-        print(
-            f"[quantmla] mixed: joint check of the {len(best)} best allocations ({p.allocation_error})"
-        )
-        # and for reference the uniform candidates that spend the budget best (C2R4 at its bytes)
-        spend = sizes[sizes <= p.budget_bytes].max()
-        uniform = [name for name, size in zip(candidates, sizes) if size == spend]
-        shortlist = [a.precisions for a in best] + [(name,) * len(modules) for name in uniform]
-        kl = joint_kl(model, adapter, modules, results, shortlist, windows)
-        allocation = best[int(np.argmin(kl[: len(best)]))]
-        report.update(
-            joint_allocations=[list(a.precisions) for a in best],
-            joint_predicted=[a.predicted for a in best],
-            joint_kl=kl[: len(best)].tolist(),
-            joint_uniform={name: float(k) for name, k in zip(uniform, kl[len(best) :])},
-        )
+    report = {"candidate_bytes": sizes.tolist()}
+    if len(best) == 1:
+        return best[0], report
+    print(
+        f"[quantmla] mixed: joint check of the {len(best)} best allocations ({p.allocation_error})"
+    )
+    # and for reference the uniform candidates that spend the budget best (C2R4 at its bytes)
+    spend = sizes[sizes <= p.budget_bytes].max()
+    uniform = [name for name, size in zip(candidates, sizes) if size == spend]
+    shortlist = [a.precisions for a in best] + [(name,) * len(modules) for name in uniform]
+    kl = joint_kl(model, adapter, modules, measured.results, shortlist, measured.windows)
+    report.update(
+        joint_allocations=[list(a.precisions) for a in best],
+        joint_predicted=[a.predicted for a in best],
+        joint_kl=kl[: len(best)].tolist(),
+        joint_uniform={name: float(k) for name, k in zip(uniform, kl[len(best) :])},
+    )
+    return best[int(np.argmin(kl[: len(best)]))], report
+
+
+def allocate_for_job(job, model, adapter, modules, tokenizer) -> tuple[Allocation, dict]:
+    """The allocation of a `precision=mixed` job on its (BF16-patched, unfused) model, and what it
+    used: measure every candidate, turn the measurements into errors, choose."""
+    p = job.cfg.precision
+    measured = measure_candidates(job, model, adapter, modules, tokenizer)
+    errors, inputs = layer_errors(job, measured, model, modules)
+    allocation, choice = choose(job, measured, errors, model, adapter, modules)
     print(
         f"[quantmla] mixed allocation at {p.budget_bytes:g} B/token: {', '.join(allocation.precisions)} "
         f"({allocation.bytes_per_token:g} B/token, predicted Σ error ({p.allocation_error}) {allocation.predicted:.3e})"
     )
+    report = {"candidates": measured.candidates, "error_model": p.allocation_error, **inputs}
     report.update(
-        candidate_bytes=sizes.tolist(),
+        **choice,
         predicted_errors=errors.tolist(),
-        nmse_windows=int(windows.shape[0]),
-        **{key: value.tolist() for key, value in measured.items()},
+        nmse_windows=int(measured.windows.shape[0]),
+        **{key: value.tolist() for key, value in measured.errors.items()},
     )
     return allocation, report

@@ -1,5 +1,6 @@
-"""The one prepare step every evaluator starts from: load → patch (BF16) → method (load its
-artifact or calibrate) → fuse + equivalence check → the run's cache policy."""
+"""The one prepare step every evaluator starts from, in three named steps: `load` (checkpoint,
+simulator patch at BF16) → `allocate` (precision=mixed only: each layer's format) → `finish`
+(method: load its artifact or calibrate; fuse + equivalence check; the run's cache policy)."""
 
 from __future__ import annotations
 
@@ -51,19 +52,23 @@ def equivalence_sequences(cfg, paths, tokenizer, n: int = 2):
 def prepare(job) -> Prepared:
     """The model of a resolved job (`quantmla.job.Job`), ready for its evaluator; only the published
     config for analytic evaluators."""
-    cfg, paths, policy = job.cfg, job.paths, job.policy
     if not job.evaluator.needs_model:
-        return Prepared(job.model_config, policy, paths)
+        return Prepared(job.model_config, job.policy, job.paths)
+    prepared = load(job)
+    if prepared.policy.mixed:  # one format per layer, chosen before any method calibrates at it
+        allocate(job, prepared)
+    return finish(job, prepared)
 
-    from quantmla.methods.base import apply_method
-    from quantmla.methods.equivalence import EquivalenceProbe
-    from quantmla.methods.prepare import prepare_method
+
+def load(job) -> Prepared:
+    """The checkpoint, its MLA modules patched with the simulator at BF16."""
     from quantmla.models.adapters import get_adapter
     from quantmla.models.loading import load_pretrained
-    from quantmla.simulator import patch_model, set_policy
+    from quantmla.simulator import patch_model
 
+    cfg, policy = job.cfg, job.policy
     model, tokenizer = load_pretrained(
-        paths.checkpoint(cfg.model.path),
+        job.paths.checkpoint(cfg.model.path),
         cfg.model.dtype,
         cfg.model.trust_remote_code,
         cfg.model.device,
@@ -72,19 +77,37 @@ def prepare(job) -> Prepared:
     adapter = get_adapter(model.config)
     modules = adapter.attention_modules(model)
     patch_model(model, "bf16", sink=policy.sink, recent=policy.recent, group_size=policy.group_size)
-    prepared = Prepared(model.config, policy, paths, model, tokenizer, adapter, modules)
+    prepared = Prepared(model.config, policy, job.paths, model, tokenizer, adapter, modules)
     prepared.weights = job.weights
+    return prepared
 
-    if policy.mixed:  # one format per layer, chosen before any method calibrates at it
-        from quantmla.mixed import allocate_for_job
 
-        allocation, report = allocate_for_job(job, model, adapter, modules, tokenizer)
-        policy = prepared.policy = replace(policy, layer_precisions=allocation.precisions)
-        prepared.metrics.update(
-            {f"allocation/{k}": v for k, v in {**allocation.to_dict(), **report}.items()}
-        )
+def allocate(job, prepared: Prepared) -> None:
+    """`precision=mixed`: each layer's format (`quantmla.mixed`), into the policy and the metrics."""
+    from quantmla.mixed import allocate_for_job
+
+    allocation, report = allocate_for_job(
+        job, prepared.model, prepared.adapter, prepared.modules, prepared.tokenizer
+    )
+    prepared.policy = replace(prepared.policy, layer_precisions=allocation.precisions)
+    prepared.metrics.update(
+        {f"allocation/{k}": v for k, v in {**allocation.to_dict(), **report}.items()}
+    )
+
+
+def finish(job, prepared: Prepared) -> Prepared:
+    """The method at the policy's formats (loaded or calibrated), fused and checked for
+    equivalence, then the cache policy switched on."""
+    from quantmla.methods.base import apply_method
+    from quantmla.methods.equivalence import EquivalenceProbe
+    from quantmla.methods.prepare import prepare_method
+    from quantmla.simulator import set_policy
+
+    cfg, paths, policy = job.cfg, job.paths, prepared.policy
+    model, adapter, modules, tokenizer = (
+        prepared.model, prepared.adapter, prepared.modules, prepared.tokenizer
+    )  # fmt: skip
     prepared.metrics.update(cache_bytes(policy, adapter, modules, cfg.model.eval_seqlen))
-
     started = time.time()
     specs = policy.specs(len(modules))
     result = prepare_method(cfg, paths, model, adapter, tokenizer, specs, job.weights)
