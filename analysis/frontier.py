@@ -17,6 +17,9 @@ import numpy as np
 from analysis.common import pyplot, save
 from analysis.probes import spearman
 from quantmla.config import ALLOCATION_ERRORS
+from quantmla.memory import ENGINE_PRECISIONS
+
+ENGINE_NAMES = {p: name for name, p in ENGINE_PRECISIONS.items()}  # cnvfp4re4m3t → nvfp4_ds_mla
 
 # precision.allocation_error → its label (the others are their own)
 ERROR_MODELS = {m: {"response": "R × NMSE"}.get(m, m) for m in ALLOCATION_ERRORS}
@@ -150,7 +153,7 @@ def frontier_rows(records: list[dict]) -> list[list[str]]:
         rows.append(
             [
                 "—" if p.cache == "bf16" else p.method,
-                p.cache,
+                f"{p.cache} ({ENGINE_NAMES[p.cache]})" if p.cache in ENGINE_NAMES else p.cache,
                 f"{p.bytes:g}",
                 f"{p.bytes_protected:.1f}",
                 *[_fmt_delta(p, ref, d) for d in datasets],
