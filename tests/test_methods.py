@@ -194,3 +194,53 @@ def test_artifacts_are_keyed_by_the_fit_settings(tmp_path):
     ]
     assert len({base, *changed}) == 5
     assert key("method.calibration.capture_batch_size=1") == base
+
+
+def test_calibration_batches_are_the_shuffled_loaders():
+    """`step_batches` is what the shuffled DataLoader gave epoch after epoch (existing artifacts
+    and records keep their batches), cut at the step count."""
+    from quantmla.methods.quantmla_method import step_batches
+
+    indices = torch.arange(10, 17)
+    loader = torch.utils.data.DataLoader(
+        indices, batch_size=2, shuffle=True, drop_last=True,
+        generator=torch.Generator().manual_seed(3),
+    )  # fmt: skip
+    seen = [b for _ in range(4) for b in loader]
+    got = step_batches(indices, 2, 11, seed=3)
+    assert len(got) == 11 and all(torch.equal(a, b) for a, b in zip(got, seen))
+
+
+def test_a_stopped_calibration_resumes_where_it_stopped(ctx, tmp_path, monkeypatch):
+    """A fit stopped after a saved selection resumes from it: the same selections, history and
+    final transforms as an uninterrupted fit; the saved state is gone once it finishes."""
+    from quantmla.methods.quantmla_method import quantmla
+
+    cal = CalibrationConfig(steps=6, select_every=2, batch_size=2, alphas=[0.0])
+
+    def job(resume=None):
+        return MethodJob(ctx.modules, C4R4, cal, ctx, seed=0, resume_path=resume)
+
+    whole = quantmla(job())
+    resume = tmp_path / "fit.ckpt"
+    stop_at = QuantMLACalibration.on_train_batch_end
+
+    def stopping(self, outputs, batch, batch_idx):
+        stop_at(self, outputs, batch, batch_idx)
+        if self.global_step == 3:
+            raise RuntimeError("stopped (as a killed job would)")
+
+    monkeypatch.setattr(QuantMLACalibration, "on_train_batch_end", stopping)
+    with pytest.raises(RuntimeError, match="stopped"):
+        quantmla(job(resume))
+    assert resume.is_file()
+    monkeypatch.setattr(QuantMLACalibration, "on_train_batch_end", stop_at)
+    resumed = quantmla(job(resume))
+    assert resumed.report["resumed_at_step"] == 2 and not resume.exists()
+    assert resumed.report["history"] == whole.report["history"]
+    assert resumed.report["best_step"] == whole.report["best_step"]
+    for a, b in zip(resumed.layers, whole.layers):
+        assert torch.equal(a.content.rotation, b.content.rotation)
+        assert torch.equal(a.rope.angles, b.rope.angles) and torch.equal(
+            a.rope.scales, b.rope.scales
+        )

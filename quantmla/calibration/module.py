@@ -150,7 +150,36 @@ class QuantMLACalibration(L.LightningModule):
             )
 
     def on_train_start(self) -> None:
-        self.select()
+        if not self.history or self.history[-1]["step"] != self.global_step:  # not on a resume
+            self.select()
+
+    # -- a stopped fit resumes: the selection state travels in the checkpoint (tensors only) ---
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        def plain(entry):
+            value, t, step = entry
+            tensors = (
+                (t.content.rotation, t.content.scale, t.rope.angles, t.rope.scales) if t else ()
+            )
+            return {"value": value, "step": step, "tensors": list(tensors)}
+
+        checkpoint["quantmla"] = {
+            "best": [{path: plain(b[path]) for path in b} for b in self.best],
+            "history": self.history,
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        def back(entry):
+            t = entry["tensors"]
+            transforms = (
+                LayerTransforms(ContentTransform(t[0], t[1]), RopeTransform(t[2], t[3]))
+                if t
+                else None
+            )
+            return (entry["value"], transforms, entry["step"])
+
+        state = checkpoint["quantmla"]
+        self.best = [{path: back(b[path]) for path in b} for b in state["best"]]
+        self.history = state["history"]
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if (

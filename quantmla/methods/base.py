@@ -46,6 +46,7 @@ class MethodJob:
     context: CalibrationContext | None = None
     seed: int = 0
     log_dir: Path | None = None  # per-layer calibration curves (CSV) go here
+    resume_path: Path | None = None  # a calibrated method's state while it runs (it resumes there)
 
 
 @dataclass

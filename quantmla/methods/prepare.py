@@ -95,7 +95,10 @@ def prepare_method(
         torch.arange(n_calibration),
         torch.arange(n_calibration, sequences.shape[0]),
     )
-    job = MethodJob(modules, specs, cal, ctx, cfg.seed, log_dir=path.parent / "logs" / path.stem)
+    job = MethodJob(
+        modules, specs, cal, ctx, cfg.seed, log_dir=path.parent / "logs" / path.stem,
+        resume_path=path.parent / "resume" / f"{path.stem}.ckpt",
+    )  # fmt: skip
     result = method.build(job)
     result.metadata = expected
     save_artifact(result, path)
