@@ -9,7 +9,8 @@ from quantmla.quant import qdq_content, qdq_rope
 from quantmla.serving.protection import ProtectionLostError, ProtectionTable
 from quantmla.serving.settings import ServeSettings, predicted_capacity, protection_budget
 from quantmla.spec import QuantizerSpec
-from quantmla_kernels.paged_cache.reference import kept_in_protection, protected_positions
+from quantmla_kernels.paged_cache.layout import kept_in_protection
+from quantmla_kernels.paged_cache.reference import protected_positions
 
 
 def test_rows_follow_the_pool_rule_through_prefill_and_decode():

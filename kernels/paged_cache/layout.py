@@ -75,3 +75,14 @@ def layout_constants(layout: CacheLayout) -> dict:
         for kind in ("codes", "scales", "zeros"):
             out[f"{prefix}_{kind.upper()}"] = sec[f"{path.name}_{kind}"][0]
     return out
+
+
+def protection_slots(pos: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
+    """Row of a protection buffer that holds token `pos`: sinks at their position, every later
+    token in the ring slot sink + pos % recent (the decode kernel reads the same rows)."""
+    return torch.where(pos < sink, pos, sink + pos % max(recent, 1))
+
+
+def kept_in_protection(pos: torch.Tensor, tokens: int | torch.Tensor, sink: int, recent: int):
+    """Bool: which of the new tokens at `pos` a buffer of a `tokens`-long sequence must hold."""
+    return (pos < sink) | (pos >= tokens - recent)

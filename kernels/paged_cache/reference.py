@@ -8,7 +8,7 @@ import torch
 
 from quantmla.memory import CacheLayout
 from quantmla.quant import Quantized, dequantize, pack, quantize, unpack
-from quantmla_kernels.paged_cache.layout import paths
+from quantmla_kernels.paged_cache.layout import paths, protection_slots
 from quantmla_kernels.paged_cache.pool import PagePool
 
 
@@ -74,17 +74,6 @@ def protected_positions(tokens: int, sink: int, recent: int) -> torch.Tensor:
     the query at the last slot: j < sink or j ≥ T − recent)."""
     j = torch.arange(tokens)
     return (j < sink) | (j >= tokens - recent)
-
-
-def protection_slots(pos: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
-    """Row of a protection buffer that holds token `pos`: sinks at their position, every later
-    token in the ring slot sink + pos % recent (the decode kernel reads the same rows)."""
-    return torch.where(pos < sink, pos, sink + pos % max(recent, 1))
-
-
-def kept_in_protection(pos: torch.Tensor, tokens: int | torch.Tensor, sink: int, recent: int):
-    """Bool: which of the new tokens at `pos` a buffer of a `tokens`-long sequence must hold."""
-    return (pos < sink) | (pos >= tokens - recent)
 
 
 def protected_rows(pool: PagePool, request_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,13 +15,14 @@ import torch
 from quantmla.errors import ConfigError, NonFiniteCacheError
 from quantmla.quant import SCALE_FLOOR
 from quantmla_kernels.paged_cache.launch import launch
-from quantmla_kernels.paged_cache.layout import check_packable, layout_constants
-from quantmla_kernels.paged_cache.pool import PagePool
-from quantmla_kernels.paged_cache.reference import (
+from quantmla_kernels.paged_cache.layout import (
+    check_packable,
     kept_in_protection,
+    layout_constants,
     protection_slots,
-    write_reference,
 )
+from quantmla_kernels.paged_cache.pool import PagePool
+from quantmla_kernels.paged_cache.reference import write_reference
 
 WRITER_BACKENDS = ("torch", "triton")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from quantmla.errors import QuantMLAError
-from quantmla_kernels.paged_cache.reference import kept_in_protection, protection_slots
+from quantmla_kernels.paged_cache.layout import kept_in_protection, protection_slots
 
 
 class ProtectionLostError(QuantMLAError, RuntimeError):
