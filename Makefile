@@ -43,7 +43,7 @@ serve-test:   # the vLLM backend's tests (tests/serving) in .venv-serve; referen
 	$(SERVE_PY) -m pytest -q -p no:cacheprovider tests/serving
 
 kernels-compile:   # every Triton kernel compiled for sm_80 and sm_90 without a GPU; its resource table (docs/packed-cache.md)
-	$(PY) -m quantmla_kernels.paged_cache.aot --out results/kernels_compile.json
+	$(PY) -m benchmarks.kernels_compile --out results/kernels_compile.json
 	$(PY) -m analysis.kernels results/kernels_compile.json
 
 gpu-check:   # the first GPU run, one command (< 10 min on one H200): the kernels compile table + hot decode launched vs predicted, gpu tests, a CUDA job vs its memory plan, latency --quick; one JSON report

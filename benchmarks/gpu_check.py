@@ -113,7 +113,7 @@ def main() -> None:
     }
     kernels = out.with_name("kernels_compile_device.json")
     report["kernels"] = _run(
-        [sys.executable, "-m", "quantmla_kernels.paged_cache.aot", "--device-check", "--jobs", "16",
+        [sys.executable, "-m", "benchmarks.kernels_compile", "--device-check", "--jobs", "16",
          "--out", str(kernels)], 300,
     )  # fmt: skip
     if kernels.is_file():

@@ -89,7 +89,9 @@ class CacheConfig:
     backend: str = opt(
         "simulator", "simulator | packed (paged packed cache + kernels; same function)"
     )
-    kernel: str = opt("auto", "packed backend kernels: auto | torch (reference) | triton")
+    kernel: str = opt(
+        "auto", "packed backend kernels: auto (Triton on CUDA) | torch (the CPU path) | triton"
+    )
 
 
 @dataclass

@@ -6,12 +6,11 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from quantmla.errors import ConfigError, QuantMLAError
-from quantmla.spec import SPEC_FIELDS, QuantizerSpec
+from quantmla.spec import KERNELS, SPEC_FIELDS, QuantizerSpec
 
 FORMS = ("auto", "expanded", "absorbed")
 MIXED = "mixed"  # one format per layer, chosen under a bytes budget (quantmla.allocation)
 BACKENDS = ("simulator", "packed")
-KERNELS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,7 @@ class CachePolicy:
     check_finite: bool = True
     incremental: bool = True  # quantize each token once as it enters a DynamicCache (same values)
     backend: str = "simulator"  # packed: generation through kernels/paged_cache (same function)
-    kernel: str = "auto"  # packed backend: torch reference, triton, or auto (triton where it runs)
+    kernel: str = "auto"  # packed backend: torch (CPU path), triton, or auto (Triton on CUDA)
     layer_precisions: tuple[str, ...] | None = None  # a mixed policy's allocation, one per layer
 
     def __post_init__(self):

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from quantmla.errors import ConfigError
 
 UNQUANTIZED_BITS = 16  # a path at 16 bits is stored as BF16, not quantized
+# the packed cache's op implementations: auto = Triton on CUDA, torch / C++ elsewhere
+KERNELS = ("auto", "torch", "triton")
 # Floating-point 8-bit formats a path may use instead of integer codes: (exponent, mantissa) bits.
 FP8_FORMATS = {"e4m3": (4, 3), "e5m2": (5, 2)}
 

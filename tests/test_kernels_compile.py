@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks import kernels_compile as aot
 from quantmla.spec import QuantizerSpec
-from quantmla_kernels.paged_cache import aot
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,7 +67,7 @@ def test_hot_decode_compiles_for_sm80_and_sm90_without_spills(tmp_path):
     no spill, shared memory within each arch's limit — and the printed count is the table's."""
     out = tmp_path / "hot.json"
     done = subprocess.run(
-        [sys.executable, "-m", "quantmla_kernels.paged_cache.aot", "--hot", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.kernels_compile", "--hot", "--out", str(out)],
         cwd=REPO, env=_uninterpreted_env(), capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -88,7 +88,7 @@ def test_a_broken_kernel_is_caught():
     but needs more shared memory than sm_90 allows per block: both refused."""
     script = (
         "import json, torch\n"
-        "from quantmla_kernels.paged_cache import aot\n"
+        "from benchmarks import kernels_compile as aot\n"
         "from quantmla_kernels.paged_cache.launch import Launch\n"
         "from tests.fixtures import broken_kernels as bk\n"
         "x = torch.zeros(256 * 256)\n"

@@ -5,7 +5,7 @@ import torch
 
 from quantmla_kernels.paged_cache import native
 from quantmla_kernels.paged_cache.cpu import dequantize_pages_torch, dequantize_rows
-from quantmla_kernels.paged_cache.decode import stacked_inputs
+from quantmla_kernels.paged_cache.pool import stacked_inputs
 from tests.test_paged_cpu import filled_pool
 from tests.test_paged_kernels import small_layout
 

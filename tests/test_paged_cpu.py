@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from quantmla_kernels.paged_cache.cpu import decode_packed, decode_rows, dequantize_pages
-from quantmla_kernels.paged_cache.decode import stacked_inputs
-from quantmla_kernels.paged_cache.pool import PagePool
+from quantmla_kernels.paged_cache.ops import write as write_slots
+from quantmla_kernels.paged_cache.ops import write_tokens
+from quantmla_kernels.paged_cache.pool import PagePool, stacked_inputs
 from quantmla_kernels.paged_cache.reference import decode_reference, read_tokens
-from quantmla_kernels.paged_cache.writer import write_slots, write_tokens
 from tests.test_paged_kernels import latents, small_layout
 
 

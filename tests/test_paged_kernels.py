@@ -9,9 +9,9 @@ import torch
 from quantmla.errors import ConfigError, NonFiniteCacheError
 from quantmla.memory import PAGE_TOKENS, layout
 from quantmla.quant import qdq_content, qdq_rope
+from quantmla_kernels.paged_cache.ops import write_tokens
 from quantmla_kernels.paged_cache.pool import PagePool, PoolExhaustedError
 from quantmla_kernels.paged_cache.reference import read_tokens
-from quantmla_kernels.paged_cache.writer import write_tokens
 
 PRECISIONS = ("c4r4", "c2r4", "c3r6", "c1r8")
 
@@ -63,8 +63,8 @@ def test_triton_writer_is_bit_identical_to_the_reference(precision, chunks):
     c, k = hard_latents(sum(chunks))
     start = 0
     for n in chunks:
-        write_tokens(ref, 3, c[start : start + n], k[start : start + n], backend="torch")
-        write_tokens(tri, 3, c[start : start + n], k[start : start + n], backend="triton")
+        write_tokens(ref, 3, c[start : start + n], k[start : start + n], kernel="torch")
+        write_tokens(tri, 3, c[start : start + n], k[start : start + n], kernel="triton")
         start += n
     assert torch.equal(ref.storage, tri.storage)
     held = set(ref.requests[3].pages)
@@ -93,7 +93,7 @@ def test_protection_buffer_holds_sinks_and_a_ring_of_the_last_recent():
     c, k = latents(300)
     rows = torch.cat([c, k], -1).to(torch.bfloat16)
     for t in range(133):  # one token at a time: the ring wraps exactly at the 128 boundary
-        write_tokens(pool, 0, c[t : t + 1], k[t : t + 1], backend="triton")
+        write_tokens(pool, 0, c[t : t + 1], k[t : t + 1], kernel="triton")
     assert torch.equal(req.protection[:4], rows[:4])
     ring = {4 + p % 128: p for p in range(133 - 128, 133)}
     for slot, p in ring.items():
@@ -111,7 +111,7 @@ def test_writer_faults_leave_the_pool_unchanged():
     before = pool.storage.clone()
     c, k = latents(3 * PAGE_TOKENS)
     with pytest.raises(PoolExhaustedError, match="needs 3 more page\\(s\\).*2 of 2 are free"):
-        write_tokens(pool, 0, c, k, backend="triton")
+        write_tokens(pool, 0, c, k, kernel="triton")
     c[5, 3] = float("nan")
     with pytest.raises(NonFiniteCacheError, match="nothing was written"):
         write_tokens(pool, 0, c[:10], k[:10])
@@ -148,6 +148,18 @@ def cosine(a, b):
     )
 
 
+def triton_decode(pool, ids, q, qr, scaling, **launch):
+    """The Triton decode kernel itself over a pool's requests (`launch`: splits, block_h, ...)."""
+    from quantmla_kernels.paged_cache.decode import launch_decode
+    from quantmla_kernels.paged_cache.pool import stacked_inputs
+
+    table, lens, prot = stacked_inputs(pool, ids)
+    return launch_decode(
+        q_lat=q, q_rope=qr, scaling=scaling, table=table, lens=lens, layout=pool.layout,
+        storage=pool.storage, prot=prot, **launch,
+    )  # fmt: skip
+
+
 # Tolerances (fp32 kernel vs float64 reference on the same dequantized values): relative
 # max-abs error ≤ 1e-5 of the output's scale, cosine ≥ 0.9995 (in practice ~1 − 1e-12), lse ≤ 1e-5.
 def assert_close_to_reference(out, lse, ref, ref_lse):
@@ -158,23 +170,21 @@ def assert_close_to_reference(out, lse, ref, ref_lse):
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_decode_matches_the_dequantize_then_attend_reference(precision):
-    from quantmla_kernels.paged_cache.decode import decode_triton
     from quantmla_kernels.paged_cache.reference import decode_reference
 
     lengths = [1, 4, 5, 63, 64, 65, 131, 132, 133, 700]
     pool, ids, q, qr = filled_pool(precision, lengths)
-    out, lse = decode_triton(pool, ids, q, qr, scaling=0.125, num_splits=3)
+    out, lse = triton_decode(pool, ids, q, qr, scaling=0.125, num_splits=3)
     ref, ref_lse = decode_reference(pool, ids, q, qr, scaling=0.125)
     assert_close_to_reference(out, lse, ref, ref_lse)
 
 
 def test_decode_is_split_invariant_including_empty_splits():
-    from quantmla_kernels.paged_cache.decode import decode_triton
     from quantmla_kernels.paged_cache.reference import decode_reference
 
     pool, ids, q, qr = filled_pool("c4r4", [5, 200, 700], heads=3)
     ref, ref_lse = decode_reference(pool, ids, q, qr, scaling=0.1)
-    results = [decode_triton(pool, ids, q, qr, 0.1, num_splits=s) for s in (1, 4, 20)]
+    results = [triton_decode(pool, ids, q, qr, 0.1, num_splits=s) for s in (1, 4, 20)]
     for out, lse in results:  # 20 splits > 11 pages: most splits of the short requests are empty
         assert_close_to_reference(out, lse, ref, ref_lse)
     assert float((results[0][0] - results[2][0]).abs().max()) <= 1e-5
@@ -182,26 +192,27 @@ def test_decode_is_split_invariant_including_empty_splits():
 
 def test_decode_reads_protected_rows_unquantized():
     """Changing a protected token's packed copy changes nothing; changing its BF16 row does."""
-    from quantmla_kernels.paged_cache.decode import decode_triton
 
     pool, ids, q, qr = filled_pool("c2r4", [300], heads=2)
-    before, _ = decode_triton(pool, ids, q, qr, 0.2, num_splits=2)
+    before, _ = triton_decode(pool, ids, q, qr, 0.2, num_splits=2)
     request = pool.requests[0]
     page0 = request.pages[0]
     sec = pool.layout.sections()["content_codes"]
     pool.storage[page0, sec[0] : sec[0] + 2 * pool.layout.d_c // 4] ^= 0xFF  # tokens 0-1: sinks
-    after, _ = decode_triton(pool, ids, q, qr, 0.2, num_splits=2)
+    after, _ = triton_decode(pool, ids, q, qr, 0.2, num_splits=2)
     assert torch.equal(before, after)
     request.protection[0] += 1.0
-    changed, _ = decode_triton(pool, ids, q, qr, 0.2, num_splits=2)
+    changed, _ = triton_decode(pool, ids, q, qr, 0.2, num_splits=2)
     assert not torch.allclose(before, changed)
 
 
 def test_bf16_page_baseline_and_dequantized_workspace_match_the_reference():
-    """The latency sweep's baselines compute the same attention: the BF16-page kernel over the
-    workspace the dequantize kernel builds equals the packed kernel with protection off."""
-    from quantmla_kernels.paged_cache.baselines import decode_bf16_pages, dequantize_pages
-    from quantmla_kernels.paged_cache.decode import stacked_inputs
+    """The latency sweep's baselines compute the same attention: the BF16-page kernel (`ops.decode_rows`,
+    BF16 mode's decode) over the workspace the dequantize kernel builds equals the packed kernel
+    with protection off."""
+    from quantmla_kernels.paged_cache.baselines import dequantize_pages
+    from quantmla_kernels.paged_cache.ops import decode_rows
+    from quantmla_kernels.paged_cache.pool import stacked_inputs
     from quantmla_kernels.paged_cache.reference import decode_reference
 
     lay = small_layout("c4r4", sink=0, recent=0)
@@ -217,7 +228,16 @@ def test_bf16_page_baseline_and_dequantized_workspace_match_the_reference():
     c_hat, k_hat = read_tokens(pool, 1)
     table, lens, _ = stacked_inputs(pool, [0, 1])
     assert torch.equal(workspace[table[1, 0], :, :128], c_hat[:64])
-    out, lse = decode_bf16_pages(workspace, table, lens, lay, q, qr, 0.125, num_splits=2)
+    out, lse = decode_rows(
+        q_lat=q,
+        q_rope=qr,
+        scaling=0.125,
+        table=table,
+        lens=lens,
+        pages=workspace,
+        d_c=128,
+        kernel="triton",
+    )
     ref, ref_lse = decode_reference(pool, [0, 1], q, qr, 0.125)
     assert_close_to_reference(out, lse, ref, ref_lse)
 
@@ -227,7 +247,6 @@ def test_bf16_page_baseline_and_dequantized_workspace_match_the_reference():
 def test_kernels_on_cuda_match_the_references(precision):
     """On a GPU: the compiled writer is bit-identical and the decode kernel (BF16 dots) within
     the stated bounds of the float64 reference at DeepSeek dims."""
-    from quantmla_kernels.paged_cache.decode import decode_triton
     from quantmla_kernels.paged_cache.reference import decode_reference
 
     lay = layout(precision)
@@ -236,14 +255,14 @@ def test_kernels_on_cuda_match_the_references(precision):
         p.add_request(0)
     c, k = latents(700, 512, 64)
     c[3, :64] = 0.0
-    write_tokens(ref, 0, c.cuda(), k.cuda(), backend="torch")
-    write_tokens(tri, 0, c.cuda(), k.cuda(), backend="triton")
+    write_tokens(ref, 0, c.cuda(), k.cuda(), kernel="torch")
+    write_tokens(tri, 0, c.cuda(), k.cuda(), kernel="triton")
     assert torch.equal(ref.storage, tri.storage)
     q, qr = (
         torch.randn(1, 16, 512, device="cuda") * 0.05,
         torch.randn(1, 16, 64, device="cuda") * 0.05,
     )
-    out, lse = decode_triton(tri, [0], q, qr, 0.07)
+    out, lse = triton_decode(tri, [0], q, qr, 0.07)
     expected, expected_lse = decode_reference(tri, [0], q, qr, 0.07)
     assert cosine(out, expected) >= 0.9995
     assert float((lse.double() - expected_lse).abs().max()) <= 1e-2

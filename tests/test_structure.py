@@ -388,3 +388,59 @@ def test_architecture_table_lists_the_layers_contract_in_order():
     assert in_contract <= set(flat), in_contract - set(flat)
     order = [_layer_of(n, layers) for n in flat if n in in_contract]
     assert order == sorted(order), "the table's rows are not in the contract's layer order"
+
+
+TEST_ORACLES = ("quantmla_kernels.paged_cache.reference", "quantmla_kernels.paged_cache.baselines")
+# the Fig. 5b harness times the baselines and checks the interpreted kernels against the oracle
+BENCHMARK_MODULES = {"quantmla/evaluation/latency_harness.py"}
+
+
+def _project_imports(path: Path) -> list[tuple[str, str | None]]:
+    """(module, imported name or None) of every import in a file, function-level ones included."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out += [(node.module, a.name) for a in node.names]
+    return [(m, n) for m, n in out if m.split(".")[0] in ("quantmla", "quantmla_kernels")]
+
+
+def test_production_code_imports_no_test_oracle_and_no_private_name():
+    """`reference.py` and `baselines.py` serve tests and benchmarks only; no module imports another
+    module's private (`_`) name. Production: the installed packages (quantmla/, kernels/)."""
+    files = [*(REPO / "quantmla").rglob("*.py"), *(REPO / "kernels").rglob("*.py")]
+    assert len(files) > 60
+    bad = []
+    for path in files:
+        rel = path.relative_to(REPO).as_posix()
+        for module, name in _project_imports(path):
+            target = f"{module}.{name}" if name else module
+            oracle = any(
+                target == o or target.startswith(o + ".") or module == o for o in TEST_ORACLES
+            )
+            if (
+                oracle
+                and rel not in BENCHMARK_MODULES
+                and not rel.endswith(("reference.py", "baselines.py"))
+            ):
+                bad.append(f"{rel}: {target}")
+            if name and name.startswith("_") and not name.startswith("__"):
+                bad.append(f"{rel}: {module} import {name}")
+    assert not bad, bad
+
+
+def test_each_cache_op_is_chosen_in_one_place():
+    """The Triton / torch choice of the cache's ops lives in `ops.resolve`: no other production
+    module compares a kernel setting with "triton" or "torch"."""
+    files = [*(REPO / "quantmla").rglob("*.py"), *(REPO / "kernels").rglob("*.py")]
+    pattern = re.compile(r"""kernel\w*\s*[!=]=\s*["'](triton|torch)["']""")
+    hits = [
+        f"{p.relative_to(REPO)}: {m.group(0)}"
+        for p in files
+        if p.name != "ops.py"
+        for m in pattern.finditer(p.read_text())
+    ]
+    assert not hits, hits

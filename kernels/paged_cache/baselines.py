@@ -1,11 +1,10 @@
-"""Benchmark-only baselines over the same pages (Fig. 5b): dequantize every page into a BF16
-workspace, and the decode kernel run over a BF16 paged cache (every token unquantized)."""
+"""Benchmark-only baseline over the same pages (Fig. 5b): dequantize every page into a BF16
+workspace (the decode kernel over a BF16 paged cache is `ops.decode_rows`)."""
 
 from __future__ import annotations
 
 import torch
 
-from quantmla_kernels.paged_cache.decode import launch_decode
 from quantmla_kernels.paged_cache.gather import gather_pages
 from quantmla_kernels.paged_cache.pool import PagePool
 
@@ -27,33 +26,3 @@ def dequantize_pages(
     pages = torch.arange(pool.n_pages, device=pool.device)
     gather_pages(pool.storage, layout, pages, out.view(-1, layout.d_c + layout.d_r))
     return out
-
-
-def decode_bf16_pages(
-    pages,
-    table,
-    lens,
-    layout,
-    q_lat,
-    q_rope,
-    scaling,
-    num_splits=None,
-    block_h=None,
-    dot_dtype=None,
-):
-    """The same kernel over a BF16 paged cache (n_pages, page tokens, d_c + d_r): every token unquantized,
-    no protection split: the BF16 baseline of the latency sweep."""
-    storage = torch.empty(1, dtype=torch.uint8, device=pages.device)
-    return launch_decode(
-        q_lat=q_lat,
-        q_rope=q_rope,
-        scaling=scaling,
-        table=table,
-        lens=lens,
-        layout=layout,
-        storage=storage,
-        bf16_pages=pages,
-        num_splits=num_splits,
-        block_h=block_h,
-        dot_dtype=dot_dtype,
-    )

@@ -5,11 +5,12 @@ protection window, the request's BF16 buffer for the first `sink` and the last `
 the softmax-weighted latent o = Σ_t p_t ĉ_t (B, H, d_c) and its log-sum-exp (the caller applies
 W_UV and W_O, as the simulator's absorbed form).
 
-`decode_triton`: split-K over pages — each program takes a request's block of heads (all of them
+`launch_decode`: split-K over pages — each program takes a request's block of heads (all of them
 when h_q ≤ BLOCK_H) and a run of pages, unpacks and dequantizes each 64-token tile once in
 registers and uses it for both QK and PV (online softmax); one extra split attends to the
-protected rows; a second kernel merges the splits by the log-sum-exp rule. Its reference is
-`reference.decode_reference`; the benchmark-only baselines are in `baselines.py`."""
+protected rows; a second kernel merges the splits by the log-sum-exp rule. With `bf16_pages` the
+same kernel reads an unquantized paged cache (BF16 mode of an engine). Callers go through
+`ops.decode`; tested against `reference.decode_reference`."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 
 from quantmla_kernels.paged_cache.launch import compiles_for_gpu, launch
 from quantmla_kernels.paged_cache.layout import layout_constants
-from quantmla_kernels.paged_cache.pool import PagePool
+from quantmla_kernels.paged_cache.tiles import DECODE_TILE, dequant_tile
 
 try:
     import triton
@@ -28,9 +29,6 @@ except ImportError:  # pragma: no cover
     triton = None
 
 
-# rows of a page dequantized and attended at once: a 16 × d_c tile keeps the kernel in registers
-# (a whole 64-token page at d_c 512 spilled on sm_80/sm_90: results/kernels_compile.json)
-DECODE_TILE = 16
 # heads per program and warps: a 16-head block in 8 warps holds the d_c = 512 accumulator, the
 # query and a tile in registers on sm_80 and sm_90 (222 registers, no spills); 32 or 64 heads, or
 # 16 in 4 warps, spill (results/kernels_compile.json). h_q = 128 runs eight head blocks.
@@ -40,58 +38,6 @@ DECODE_WARPS = 8
 # ------------------------------------------------------------------------------------- Triton
 
 if triton is not None:
-
-    @triton.jit
-    def _load_meta(ptr, index, META_BYTES: tl.constexpr):
-        """Little-endian BF16 (2 bytes) or FP32 (4 bytes) values at byte `index` → fp32."""
-        word = tl.load(ptr + index).to(tl.uint32)
-        for k in tl.static_range(1, META_BYTES):
-            word = word | (tl.load(ptr + index + k).to(tl.uint32) << (8 * k))
-        if META_BYTES == 2:
-            word = word << 16
-        return word.to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _dequant_tile(
-        ptr,
-        page_base,
-        rows,
-        DIM: tl.constexpr,
-        GROUP: tl.constexpr,
-        BITS: tl.constexpr,
-        WORD_BYTES: tl.constexpr,
-        META_BYTES: tl.constexpr,
-        CODES_AT: tl.constexpr,
-        SCALES_AT: tl.constexpr,
-        ZEROS_AT: tl.constexpr,
-        TILE: tl.constexpr,
-    ):
-        """(TILE, DIM) fp32 ĉ = (q − z)·s of one page's rows: unpacked and scaled in registers."""
-        PER_WORD: tl.constexpr = 8 * WORD_BYTES // BITS  # codes in one packed word
-        GROUPS: tl.constexpr = DIM // GROUP
-        MASK: tl.constexpr = (1 << BITS) - 1
-        nw = tl.arange(0, DIM // PER_WORD)
-        j = tl.arange(0, PER_WORD)
-        at = (
-            ptr
-            + page_base
-            + CODES_AT
-            + rows[:, None] * (DIM * BITS // 8)
-            + nw[None, :] * WORD_BYTES
-        )
-        word = tl.load(at).to(tl.int32)
-        for k in tl.static_range(1, WORD_BYTES):  # little-endian bytes of the word
-            word = word | (tl.load(at + k).to(tl.int32) << (8 * k))
-        codes = (word[:, :, None] >> (j[None, None, :] * BITS)) & MASK
-        codes = codes.to(tl.float32)
-        g = tl.arange(0, GROUPS)
-        meta_at = page_base + rows[:, None] * (GROUPS * META_BYTES) + g[None, :] * META_BYTES
-        scale = _load_meta(ptr, SCALES_AT + meta_at, META_BYTES)  # (TILE, GROUPS)
-        zero = tl.load(ptr + page_base + ZEROS_AT + rows[:, None] * GROUPS + g[None, :]).to(
-            tl.float32
-        )
-        codes = tl.reshape(codes, (TILE, GROUPS, GROUP))  # the metadata broadcast, not copied
-        return tl.reshape((codes - zero[:, :, None]) * scale[:, :, None], (TILE, DIM))
 
     @triton.jit
     def _online_update(
@@ -196,9 +142,9 @@ if triton is not None:
                         c, k = c.to(tl.float32), k.to(tl.float32)
                     else:
                         keep = (pos < T) & (pos >= SINK) & (pos < T - RECENT)
-                        c = _dequant_tile(store_ptr, base, rows, D_C, GROUP, C_BITS, C_WORD,
+                        c = dequant_tile(store_ptr, base, rows, D_C, GROUP, C_BITS, C_WORD,
                                           C_META, C_CODES, C_SCALES, C_ZEROS, TILE)  # fmt: skip
-                        k = _dequant_tile(store_ptr, base, rows, D_R, GROUP, R_BITS, R_WORD,
+                        k = dequant_tile(store_ptr, base, rows, D_R, GROUP, R_BITS, R_WORD,
                                           R_META, R_CODES, R_SCALES, R_ZEROS, TILE)  # fmt: skip
                         c = tl.where(keep[:, None], c, 0.0)  # stale bytes past T: never 0·NaN
                         k = tl.where(keep[:, None], k, 0.0)
@@ -278,18 +224,6 @@ def launch_configs(heads: int) -> list[dict]:
     ]
 
 
-def stacked_inputs(pool: PagePool, request_ids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(page tables (B, max_pages) int64, lengths (B,) int32, protection (B, P, d_c + d_r))."""
-    requests = [pool.request(r) for r in request_ids]
-    width = max(1, max(len(r.pages) for r in requests))
-    table = torch.zeros(len(requests), width, dtype=torch.int64)
-    for i, r in enumerate(requests):
-        table[i, : len(r.pages)] = torch.tensor(r.pages, dtype=torch.int64)
-    lens = torch.tensor([r.tokens for r in requests], dtype=torch.int32)
-    prot = torch.stack([r.protection for r in requests])
-    return table.to(pool.device), lens.to(pool.device), prot
-
-
 def launch_decode(
     *,
     q_lat: torch.Tensor,
@@ -367,25 +301,3 @@ def launch_decode(
         D_C=layout.d_c,
     )
     return out, out_lse
-
-
-def decode_triton(
-    pool, request_ids, q_lat, q_rope, scaling, num_splits=None, block_h=None, dot_dtype=None
-):
-    """(o (B, H, d_c) float32, lse (B, H)) from the packed pages + protected rows."""
-    if triton is None:  # pragma: no cover
-        raise RuntimeError("decode_triton needs the triton package")
-    table, lens, prot = stacked_inputs(pool, request_ids)
-    return launch_decode(
-        q_lat=q_lat,
-        q_rope=q_rope,
-        scaling=scaling,
-        table=table,
-        lens=lens,
-        layout=pool.layout,
-        storage=pool.storage,
-        prot=prot,
-        num_splits=num_splits,
-        block_h=block_h,
-        dot_dtype=dot_dtype,
-    )

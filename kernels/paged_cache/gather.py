@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from quantmla.memory import CacheLayout
-from quantmla_kernels.paged_cache.decode import DECODE_TILE, _dequant_tile
 from quantmla_kernels.paged_cache.launch import launch
 from quantmla_kernels.paged_cache.layout import layout_constants
+from quantmla_kernels.paged_cache.tiles import DECODE_TILE, dequant_tile
 
 try:
     import triton
@@ -50,9 +50,9 @@ if triton is not None:
         base = tl.load(pages_ptr + i).to(tl.int64) * PAGE_BYTES
         for sub in range(0, PAGE, TILE):
             rows = sub + tl.arange(0, TILE)
-            c = _dequant_tile(store_ptr, base, rows, D_C, GROUP, C_BITS, C_WORD, C_META,
+            c = dequant_tile(store_ptr, base, rows, D_C, GROUP, C_BITS, C_WORD, C_META,
                               C_CODES, C_SCALES, C_ZEROS, TILE)  # fmt: skip
-            k = _dequant_tile(store_ptr, base, rows, D_R, GROUP, R_BITS, R_WORD, R_META,
+            k = dequant_tile(store_ptr, base, rows, D_R, GROUP, R_BITS, R_WORD, R_META,
                               R_CODES, R_SCALES, R_ZEROS, TILE)  # fmt: skip
             row_at = (i * PAGE + rows[:, None]) * (D_C + D_R)
             tl.store(out_ptr + row_at + tl.arange(0, D_C)[None, :], c.to(out_ptr.dtype.element_ty))

@@ -154,3 +154,15 @@ class PagePool:
 
     def pages_in_use(self) -> int:
         return self.n_pages - len(self.free)
+
+
+def stacked_inputs(pool: PagePool, request_ids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(page tables (B, max_pages) int64, lengths (B,) int32, protection (B, P, d_c + d_r))."""
+    requests = [pool.request(r) for r in request_ids]
+    width = max(1, max(len(r.pages) for r in requests))
+    table = torch.zeros(len(requests), width, dtype=torch.int64)
+    for i, r in enumerate(requests):
+        table[i, : len(r.pages)] = torch.tensor(r.pages, dtype=torch.int64)
+    lens = torch.tensor([r.tokens for r in requests], dtype=torch.int32)
+    prot = torch.stack([r.protection for r in requests])
+    return table.to(pool.device), lens.to(pool.device), prot

@@ -1,26 +1,15 @@
-"""PyTorch references of the packed cache's kernels, built on the one quantizer
-(`quantmla.quant`): the writer (`write_reference`), the reader (`read_tokens`) and decode
-(`decode_reference`, float64). The Triton kernels are tested against these."""
+"""Test oracles of the packed cache, built on the one quantizer (`quantmla.quant`), never imported
+by production code (a test keeps it so): the reader (`read_tokens`) and float64 decode
+(`decode_reference`). Every decode and gather path is tested against these; the writers against
+each other and against the reader."""
 
 from __future__ import annotations
 
 import torch
 
-from quantmla.memory import CacheLayout
-from quantmla.quant import Quantized, dequantize, pack, quantize, unpack
+from quantmla.quant import Quantized, dequantize, unpack
 from quantmla_kernels.paged_cache.layout import paths, protection_slots
 from quantmla_kernels.paged_cache.pool import PagePool
-
-
-def token_bytes(layout: CacheLayout, c: torch.Tensor, k_r: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Reference: each section's bytes per token, (n, bytes) uint8, from the one quantizer."""
-    out = {}
-    for path, x in zip(paths(layout), (c, k_r)):
-        q = quantize(x.float(), path.bits, layout.spec.group_size, path.meta_dtype)
-        out[f"{path.name}_codes"] = pack(q.codes.flatten(-2), path.bits)
-        out[f"{path.name}_scales"] = q.scale.flatten(-2).contiguous().view(torch.uint8)
-        out[f"{path.name}_zeros"] = q.zero.flatten(-2).to(torch.uint8)
-    return out
 
 
 def read_tokens(pool: PagePool, request_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,20 +42,6 @@ def read_tokens(pool: PagePool, request_id: int) -> tuple[torch.Tensor, torch.Te
         )
         out.append(dequantize(q))
     return out[0], out[1]
-
-
-def write_reference(storage: torch.Tensor, layout: CacheLayout, pages, slots, c, k_r) -> None:
-    """Reference writer: each token's section bytes scattered to (page, slot) of `storage`
-    (n_pages, page_bytes) uint8 — a pool's, or an engine's block tensor viewed as pages."""
-    flat = storage.view(-1)
-    page_bytes = layout.page_bytes()
-    pages, slots = pages.to(storage.device, torch.int64), slots.to(storage.device, torch.int64)
-    for name, data in token_bytes(layout, c, k_r).items():
-        start, _ = layout.sections()[name]
-        row = data.shape[-1]
-        base = pages * page_bytes + start + slots * row  # int64
-        index = base[:, None] + torch.arange(row, device=storage.device)[None, :]
-        flat[index.flatten()] = data.flatten().to(storage.device)
 
 
 def protected_positions(tokens: int, sink: int, recent: int) -> torch.Tensor:

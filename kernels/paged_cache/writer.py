@@ -1,30 +1,16 @@
-"""The cache writer: quantize (the one quantizer), pack, and insert tokens through a request's page
-table; prefill (many tokens) and decode (one) are the same call. Protected tokens (the first
-`sink`, and a ring of the last `recent`) are also copied to the request's BF16 buffer, and every
-token is packed, so a token leaving the recent window needs no rewrite.
-
-`write_tokens(..., backend="torch")` runs the reference (`reference.write_reference`, built on the
-one quantizer); `backend="triton"` is one fused kernel per token whose codes, scales and zeros are
-bit-identical to it (tests/test_paged_kernels.py). Both stop before anything is written on non-finite input
-(the simulator's `NonFiniteCacheError`) or a pool without room (`PoolExhaustedError`)."""
+"""The cache writers: quantize (the one quantizer), pack and scatter token rows to (page, slot) of
+a page store. `write_torch` is built on `quantmla.quant`; `write_triton` is one fused kernel per
+token whose codes, scales and zeros are bit-identical to it (tests/test_paged_kernels.py). Callers
+go through `ops.write` / `ops.write_tokens`, which validate the input and pick one."""
 
 from __future__ import annotations
 
 import torch
 
-from quantmla.errors import ConfigError, NonFiniteCacheError
-from quantmla.quant import SCALE_FLOOR
+from quantmla.memory import CacheLayout
+from quantmla.quant import SCALE_FLOOR, pack, quantize
 from quantmla_kernels.paged_cache.launch import launch
-from quantmla_kernels.paged_cache.layout import (
-    check_packable,
-    kept_in_protection,
-    layout_constants,
-    protection_slots,
-)
-from quantmla_kernels.paged_cache.pool import PagePool
-from quantmla_kernels.paged_cache.reference import write_reference
-
-WRITER_BACKENDS = ("torch", "triton")
+from quantmla_kernels.paged_cache.layout import layout_constants, paths
 
 try:  # the fused kernels need Triton (a GPU, or TRITON_INTERPRET=1 on CPU)
     import triton
@@ -33,68 +19,29 @@ except ImportError:  # pragma: no cover - triton is a dependency
     triton = None
 
 
-def _destinations(pool: PagePool, request_id: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(physical page, slot) of the request's last `n` tokens."""
-    request = pool.request(request_id)
-    pos = torch.arange(request.tokens - n, request.tokens)
-    table = request.page_table()
-    page = pool.layout.page_tokens
-    return table[pos // page].to(pool.device), (pos % page).to(pool.device)
+def token_bytes(layout: CacheLayout, c: torch.Tensor, k_r: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each section's bytes per token, (n, bytes) uint8, from the one quantizer."""
+    out = {}
+    for path, x in zip(paths(layout), (c, k_r)):
+        q = quantize(x.float(), path.bits, layout.spec.group_size, path.meta_dtype)
+        out[f"{path.name}_codes"] = pack(q.codes.flatten(-2), path.bits)
+        out[f"{path.name}_scales"] = q.scale.flatten(-2).contiguous().view(torch.uint8)
+        out[f"{path.name}_zeros"] = q.zero.flatten(-2).to(torch.uint8)
+    return out
 
 
-def _write_protection(pool: PagePool, request_id: int, c, k_r) -> None:
-    """First `sink` tokens at their position; others in the ring slot sink + pos % recent."""
-    layout, request = pool.layout, pool.request(request_id)
-    if not layout.quantized:
-        return
-    n = c.shape[0]
-    pos = torch.arange(request.tokens - n, request.tokens)
-    rows = torch.cat([c, k_r], dim=-1).to(request.protection.dtype)
-    keep = kept_in_protection(pos, request.tokens, layout.sink, layout.recent)
-    slot = protection_slots(pos, layout.sink, layout.recent)
-    request.protection[slot[keep].to(request.protection.device)] = rows[keep].to(
-        request.protection.device
-    )
-
-
-def write_tokens(
-    pool: PagePool, request_id: int, c: torch.Tensor, k_r: torch.Tensor, backend: str = "torch"
-) -> None:
-    """Append `c` (n, d_c) and `k_r` (n, d_r) to a request: all or nothing."""
-    layout = pool.layout
-    check_packable(layout)
-    if c.shape[-1] != layout.d_c or k_r.shape[-1] != layout.d_r or c.shape[0] != k_r.shape[0]:
-        raise ConfigError(
-            "writer input shapes",
-            (tuple(c.shape), tuple(k_r.shape)),
-            f"(n, {layout.d_c}), (n, {layout.d_r})",
-        )
-    for name, t in (("c", c), ("k_R", k_r)):
-        bad = ~torch.isfinite(t).all(dim=-1)
-        if bad.any():
-            raise NonFiniteCacheError(
-                f"request {request_id}: {name} has NaN/Inf at new token(s) "
-                f"{bad.nonzero().flatten().tolist()[:8]}; nothing was written"
-            )
-    if backend not in WRITER_BACKENDS:
-        raise ConfigError("writer backend", backend, WRITER_BACKENDS)
-    n = c.shape[0]
-    pool.reserve(request_id, n)  # raises before anything is written
-    pages, slots = _destinations(pool, request_id, n)
-    write_slots(pool.storage, layout, pages, slots, c, k_r, backend)
-    _write_protection(pool, request_id, c, k_r)
-
-
-def write_slots(storage, layout, pages, slots, c, k_r, backend: str = "torch") -> None:
-    """Pack token rows `c` (n, d_c), `k_r` (n, d_r) into (page, slot) of `storage` (n_pages,
-    page_bytes) uint8: the writer without a pool, for caches whose page tables live elsewhere
-    (an engine's block tables)."""
-    if backend == "torch":
-        write_reference(storage, layout, pages, slots, c, k_r)
-    elif backend == "triton":
-        _write_triton(storage, layout, pages, slots, c, k_r)
-    else:
-        raise ConfigError("writer backend", backend, WRITER_BACKENDS)
+def write_torch(storage: torch.Tensor, layout: CacheLayout, pages, slots, c, k_r) -> None:
+    """The torch writer: each token's section bytes scattered to (page, slot) of `storage`
+    (n_pages, page_bytes) uint8 — a pool's, or an engine's block tensor viewed as pages."""
+    flat = storage.view(-1)
+    page_bytes = layout.page_bytes()
+    pages, slots = pages.to(storage.device, torch.int64), slots.to(storage.device, torch.int64)
+    for name, data in token_bytes(layout, c, k_r).items():
+        start, _ = layout.sections()[name]
+        row = data.shape[-1]
+        base = pages * page_bytes + start + slots * row  # int64
+        index = base[:, None] + torch.arange(row, device=storage.device)[None, :]
+        flat[index.flatten()] = data.flatten().to(storage.device)
 
 
 # ------------------------------------------------------------------------------------- Triton
@@ -213,9 +160,9 @@ if triton is not None:
         )
 
 
-def _write_triton(storage, layout, pages, slots, c, k_r) -> None:
+def write_triton(storage, layout, pages, slots, c, k_r) -> None:
     if triton is None:  # pragma: no cover
-        raise RuntimeError("backend=triton needs the triton package")
+        raise RuntimeError("kernel=triton needs the triton package")
     launch(
         _writer_kernel,
         (c.shape[0],),

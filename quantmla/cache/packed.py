@@ -8,14 +8,13 @@ forward (`quantmla.simulator`) hands a layer to `packed_attention` when the poli
 
 Prefill (empty cache) attends with the simulator's math over the prompt's own rows, which equals
 reading them back from the pool (the reader's values are the quantizer's); then the writer packs
-them. Each decode step packs the new token and runs the decode kernel (`kernel=triton`) or its
-reference (`kernel=torch`) over the pages and the BF16 protection rows. Left-padded batches,
+them. Each decode step packs the new token and runs the cache's decode op (`ops.decode_pool`: the
+Triton kernel on CUDA, the CPU path elsewhere) over the pages and the BF16 protection rows. Left-padded batches,
 chunked prefill and beam search are not supported (one line each)."""
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -23,19 +22,9 @@ from transformers.cache_utils import DynamicLayer
 from quantmla.attention import attention_output, cache_regions
 from quantmla.errors import ConfigError
 from quantmla.memory import CacheLayout
-from quantmla_kernels.paged_cache.decode import decode_triton
+from quantmla_kernels.paged_cache import ops
 from quantmla_kernels.paged_cache.layout import check_packable
 from quantmla_kernels.paged_cache.pool import PagePool
-from quantmla_kernels.paged_cache.reference import decode_reference
-from quantmla_kernels.paged_cache.writer import write_tokens
-
-
-def resolve_kernel(kernel: str, device: torch.device) -> str:
-    """auto: Triton on CUDA or under TRITON_INTERPRET=1, else the PyTorch reference."""
-    if kernel != "auto":
-        return kernel
-    runs = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-    return "triton" if runs else "torch"
 
 
 class PackedLatentLayer(DynamicLayer):
@@ -61,16 +50,13 @@ class PackedLatentLayer(DynamicLayer):
         if needed > len(self.pool.free):
             self.pool.grow(max(needed - len(self.pool.free), self.pool.n_pages))
         for request in range(self.batch):
-            write_tokens(self.pool, request, c[request], k_r[request], backend=self.kernel)
+            ops.write_tokens(self.pool, request, c[request], k_r[request], kernel=self.kernel)
         self.tokens += n
 
     def attend(self, q_lat: torch.Tensor, q_rope: torch.Tensor, scaling: float) -> torch.Tensor:
         """(B, H, d_c) softmax-weighted latent of the last token's queries over the whole cache."""
         ids = list(range(self.batch))
-        if self.kernel == "triton":
-            out, _ = decode_triton(self.pool, ids, q_lat, q_rope, scaling)
-        else:
-            out, _ = decode_reference(self.pool, ids, q_lat, q_rope, scaling)
+        out, _ = ops.decode_pool(self.pool, ids, q_lat, q_rope, scaling, kernel=self.kernel)
         return out.float()
 
     def bytes_held(self) -> int:
@@ -127,7 +113,7 @@ def packed_attention(module, patch, proj, cache, allowed, layout: CacheLayout):
             "cache.backend", "packed", "unpadded batches (left padding is not supported)"
         )
     if layer.tokens == 0:  # prefill: the simulator's math on the prompt's own rows, then pack them
-        layer.setup(layout, b, n, c.device, resolve_kernel(policy.kernel, c.device), c.dtype)
+        layer.setup(layout, b, n, c.device, ops.resolve(policy.kernel, c.device), c.dtype)
         q_slots = torch.arange(n, device=c.device)
         regions = cache_regions(policy, c, k_rot, allowed, q_slots)
         out = attention_output(

@@ -167,13 +167,9 @@ def flashmla_step(pages_bf16, table, lens, q, qr):
 def run_case(batch, context, heads, rounds, reps, with_baselines=True) -> list[dict]:
     from quantmla.memory import layout
     from quantmla_kernels.paged_cache.baselines import dequantize_pages
-    from quantmla_kernels.paged_cache.decode import (
-        default_splits,
-        launch_configs,
-        launch_decode,
-        stacked_inputs,
-    )
-    from quantmla_kernels.paged_cache.writer import _write_triton
+    from quantmla_kernels.paged_cache.decode import default_splits, launch_configs, launch_decode
+    from quantmla_kernels.paged_cache.pool import stacked_inputs
+    from quantmla_kernels.paged_cache.writer import write_triton
 
     dev = "cuda"
     q = torch.randn(batch, heads, D_C, device=dev) * 0.05
@@ -271,7 +267,7 @@ def run_case(batch, context, heads, rounds, reps, with_baselines=True) -> list[d
         dest_slots = torch.full((batch,), (context - 1) % page, device=dev, dtype=torch.int64)
 
         def write(p_pool=p_pool, c=c, k=k, dest_pages=dest_pages, dest_slots=dest_slots):
-            _write_triton(p_pool.storage, p_pool.layout, dest_pages, dest_slots, c, k)
+            write_triton(p_pool.storage, p_pool.layout, dest_pages, dest_slots, c, k)
 
         writer[precision] = stats(cold_times(write, 20))["median_ms"]
     rows = []
@@ -311,10 +307,9 @@ def function_check() -> dict:
     """No CUDA: the Triton kernels (interpreted) against the references at small sizes."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
     from quantmla.memory import layout
-    from quantmla_kernels.paged_cache.decode import decode_triton
+    from quantmla_kernels.paged_cache.ops import decode_pool, write_tokens
     from quantmla_kernels.paged_cache.pool import PagePool
     from quantmla_kernels.paged_cache.reference import decode_reference
-    from quantmla_kernels.paged_cache.writer import write_tokens
 
     out = {}
     for precision in PRECISIONS:
@@ -324,7 +319,7 @@ def function_check() -> dict:
             write_tokens(pool, r, torch.randn(t, 128), torch.randn(t, 64))
         q, qr = torch.randn(2, 4, 128) * 0.3, torch.randn(2, 4, 64) * 0.3
         started = time.perf_counter()
-        o, lse = decode_triton(pool, [0, 1], q, qr, 0.1)
+        o, lse = decode_pool(pool, [0, 1], q, qr, 0.1, kernel="triton")
         seconds = time.perf_counter() - started
         ref, ref_lse = decode_reference(pool, [0, 1], q, qr, 0.1)
         out[precision] = {

@@ -58,9 +58,9 @@ def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block=BLOCK) -> 
 def fp8_eligible(name: str, shape) -> bool:
     """The weights an FP8 checkpoint stores as E4M3: projection matrices, not embeddings, lm_head,
     norms or the router (the same rule as the memory plan's)."""
-    from quantmla.models.sizes import _fp8_eligible
+    from quantmla.models.sizes import fp8_eligible
 
-    return name.endswith(".weight") and _fp8_eligible(name, tuple(shape))
+    return name.endswith(".weight") and fp8_eligible(name, tuple(shape))
 
 
 def dequantize_checkpoint(src: str | Path, dst: str | Path, dtype=torch.bfloat16) -> Path:

@@ -51,7 +51,7 @@ def is_fp8_checkpoint(raw_config: dict) -> bool:
     return (raw_config.get("quantization_config") or {}).get("quant_method") == "fp8"
 
 
-def _fp8_eligible(name: str, shape: tuple[int, ...]) -> bool:
+def fp8_eligible(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) >= 2 and not any(k in name for k in KEPT_HIGH_PRECISION)
 
 
@@ -70,7 +70,7 @@ def _count(config) -> tuple[int, int, int, int]:
     for name, p in model.named_parameters():
         shape = tuple(p.shape)
         total += p.numel()
-        if _fp8_eligible(name, shape):
+        if fp8_eligible(name, shape):
             eligible += p.numel()
             blocks += _blocks(shape)
         if ".experts." in name and "shared" not in name:

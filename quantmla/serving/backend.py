@@ -47,7 +47,7 @@ from quantmla.serving.settings import (
     protection_budget,
     resolve_settings,
 )
-from quantmla_kernels.paged_cache import native
+from quantmla_kernels.paged_cache import ops
 
 CONTEXT_CHUNK = 8192  # context tokens per read when vLLM gives no workspace
 
@@ -70,9 +70,7 @@ class Served:
 
     @property
     def kernel(self) -> str:
-        if self.settings.kernel != "auto":
-            return self.settings.kernel
-        return "triton" if self.device.type == "cuda" else "torch"
+        return ops.resolve(self.settings.kernel, self.device)
 
 
 _SERVED = "_quantmla_served"  # attribute on a VllmConfig: its engine's Served
@@ -187,8 +185,7 @@ class QuantMLAImpl(CPUMLAImpl):
                 self.served.max_num_seqs, s.sink, s.recent, self.served.d_c + self.served.d_r,
                 getattr(torch, s.protection_dtype), self.served.device,
             )  # fmt: skip
-            if self.served.kernel == "torch":  # build the C++ CPU op now, not inside a timed step
-                native.available()
+            ops.warm_up(self.served.kernel, self.served.device)
         self._new_tokens = None  # (c, k_R) of this step, for the protection rows
 
     # -- writing ---------------------------------------------------------------------------------

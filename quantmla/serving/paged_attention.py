@@ -7,8 +7,8 @@ prefill: any chunk size, any boundary) attends over its own tokens (both copies 
 `kv_b_proj`), the context's BF16 protection rows and the context's dequantized pages, read in
 workspace-sized chunks; each part under the rule's mask, LSE-merged (`merge_states`), blocks of
 queries gathering only the keys one of them reads. Decode reads packed pages and the request's
-protection rows with the Triton kernels on CUDA and the vectorized torch path elsewhere; both
-return the softmax-weighted latent, to which the engine applies W_UV itself.
+protection rows through the cache's ops (`quantmla_kernels.paged_cache.ops`: Triton on CUDA, the
+CPU path elsewhere); both return the softmax-weighted latent, to which the engine applies W_UV.
 """
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ import torch.nn.functional as F
 
 from quantmla.memory import CacheLayout
 from quantmla.quant import qdq_content, qdq_rope
-from quantmla.spec import QuantizerSpec
-from quantmla_kernels.paged_cache.cpu import decode_packed, decode_rows, dequantize_pages
-from quantmla_kernels.paged_cache.writer import write_slots
+from quantmla_kernels.paged_cache import ops
 
 # queries per score block in prefill: quantized, a block reads both copies of as many keys as it
 # has queries (small blocks); BF16 mode reads one copy (larger blocks: fewer key copies)
@@ -51,7 +49,7 @@ def write_packed(storage, layout: CacheLayout, slot_mapping, c, k_r, kernel: str
         slots, c, k_r = slots[valid], c[valid], k_r[valid]
     if slots.numel():
         page = layout.page_tokens
-        write_slots(storage, layout, slots // page, slots % page, c, k_r, kernel)
+        ops.write(storage, layout, slots // page, slots % page, c, k_r, kernel)
 
 
 def write_rows(kv_cache, slot_mapping, c, k_r) -> None:
@@ -224,21 +222,13 @@ def _blocks(positions, parts, spec, sink, recent):
 
 def context_reader(storage, layout: CacheLayout, table_row, workspace, kernel: str):
     """`read(start, end)` of `PrefillContext` over packed pages: the pages covering positions
-    [start, end) of one request (`table_row`) dequantized — into `workspace` (rows ≥ the chunk +
-    two pages, d_c + d_r) by the Triton gather on CUDA, by the torch path elsewhere."""
+    [start, end) of one request (`table_row`) dequantized by `ops.dequantize` (into `workspace`,
+    rows ≥ the chunk + two pages, d_c + d_r, where the op takes one)."""
     page = layout.page_tokens
 
     def read(start: int, end: int):
         first, last = start // page, -(-end // page)
-        pages = table_row[first:last].to(torch.int64)
-        if kernel == "triton":
-            from quantmla_kernels.paged_cache.gather import gather_pages
-
-            rows = gather_pages(storage, layout, pages, workspace)
-            c, k_r = rows[:, : layout.d_c], rows[:, layout.d_c :]
-        else:
-            c, k_r = dequantize_pages(storage, layout, pages[None], pages.shape[0])
-            c, k_r = c[0], k_r[0]
+        c, k_r = ops.dequantize(storage, layout, table_row[first:last], workspace, kernel)
         lo = start - first * page
         return c[lo : lo + end - start], k_r[lo : lo + end - start]
 
@@ -260,29 +250,15 @@ def row_reader(kv_cache, table_row, d_c: int):
 
 def decode_latent(q_lat, q_rope, scaling, table, lens, layout, storage, prot, kernel: str):
     """(B, H, d_c) float32 softmax-weighted latent over packed pages + protection rows."""
-    args = dict(
-        q_lat=q_lat, q_rope=q_rope, scaling=scaling, table=table.to(torch.int64), lens=lens,
-        layout=layout, storage=storage, prot=prot,
-    )  # fmt: skip
-    if kernel == "triton":
-        from quantmla_kernels.paged_cache.decode import launch_decode
-
-        return launch_decode(**args)[0]
-    return decode_packed(**args)[0]
+    return ops.decode(
+        q_lat=q_lat, q_rope=q_rope, scaling=scaling, table=table, lens=lens, layout=layout,
+        storage=storage, prot=prot, kernel=kernel,
+    )[0]  # fmt: skip
 
 
 def decode_latent_rows(q_lat, q_rope, scaling, table, lens, kv_cache, d_c: int, kernel: str):
     """BF16 mode: the same over the engine's row pages (every token unquantized)."""
-    if kernel == "triton":
-        from quantmla_kernels.paged_cache.baselines import decode_bf16_pages
-
-        # the kernel's row mode reads only the geometry; any packable spec resolves its constants
-        layout = CacheLayout(
-            QuantizerSpec(4, 4), d_c, kv_cache.shape[-1] - d_c, page_tokens=kv_cache.shape[1]
-        )
-        return decode_bf16_pages(
-            kv_cache, table.to(torch.int64), lens.to(torch.int32), layout, q_lat, q_rope, scaling
-        )[0]
-    return decode_rows(
-        q_lat=q_lat, q_rope=q_rope, scaling=scaling, table=table, lens=lens, pages=kv_cache, d_c=d_c
-    )[0]
+    return ops.decode_rows(
+        q_lat=q_lat, q_rope=q_rope, scaling=scaling, table=table, lens=lens, pages=kv_cache,
+        d_c=d_c, kernel=kernel,
+    )[0]  # fmt: skip

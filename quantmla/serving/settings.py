@@ -17,12 +17,11 @@ from pathlib import Path
 from quantmla.errors import ConfigError, QuantMLAError
 from quantmla.memory import CacheLayout
 from quantmla.quant import PACKABLE_BITS
-from quantmla.spec import META_DTYPE_BYTES, SPEC_FIELDS, QuantizerSpec
+from quantmla.spec import KERNELS, META_DTYPE_BYTES, SPEC_FIELDS, QuantizerSpec
 
 # Latent + RoPE widths vLLM's MLA layer accepts (MLACommonBackend.get_supported_head_sizes).
 SERVABLE_WIDTHS = (320, 512, 576)
 PROTECTION_DTYPES = ("bfloat16", "float32")
-KERNELS = ("auto", "torch", "triton")
 BLOCK_SIZES = (16, 32, 64)  # powers of two: the Triton decode tiles one page
 DEFAULT_BLOCK_SIZE = 16
 

@@ -1,11 +1,12 @@
 """Every Triton kernel of the project compiled ahead of time for sm_80 (A100) and sm_90
-(H100/H200) — no GPU needed (issue #32). The launchers (`write_slots`, `gather_pages`,
-`launch_decode` as the serving backend, the packed cache and the latency harness call it) run on
-small CPU tensors inside `launch.recording()`; each distinct recorded launch is specialised by
-Triton's own binder for the target, compiled to a cubin, and its resources read back: registers,
-spill stores/loads (local-memory instructions in the SASS), shared memory, the occupancy they allow, cubin size.
+(H100/H200) — no GPU needed (issue #32). The cache's ops (`ops.write`, `ops.dequantize`,
+`ops.decode`, as the serving backend and the packed cache call them; `launch_decode` as the latency
+harness tunes it) run on small CPU tensors inside `launch.recording()`; each distinct recorded
+launch is specialised by Triton's own binder for the target, compiled to a cubin, and its resources
+read back: registers, spill stores/loads (local-memory instructions in the SASS), shared memory,
+the occupancy they allow, cubin size. A checkout tool (run from the repository root), not an op.
 
-    python -m quantmla_kernels.paged_cache.aot [--hot] [--arch 80 90] [--jobs 2]
+    python -m benchmarks.kernels_compile [--hot] [--arch 80 90] [--jobs 2]
         [--out results/kernels_compile.json]
 
 Exit status 1 on a compile error, shared memory above an arch's per-block limit, or spills in the
@@ -32,10 +33,9 @@ from pathlib import Path
 import torch
 
 from quantmla.memory import layout as make_layout
+from quantmla_kernels.paged_cache import ops
 from quantmla_kernels.paged_cache.decode import launch_configs, launch_decode
-from quantmla_kernels.paged_cache.gather import gather_pages
 from quantmla_kernels.paged_cache.launch import Launch, recording
-from quantmla_kernels.paged_cache.writer import write_slots
 
 # The packed formats that ship (every conf/precision format the packed cache holds; a test keeps
 # the two lists equal) and formats that exercise the remaining packed words (1- and 6-bit codes).
@@ -114,17 +114,17 @@ def record_launches(formats=None) -> list[tuple[Case, Launch]]:
                 storage = torch.zeros(n, lay.page_bytes(), dtype=torch.uint8)
                 pages = torch.zeros(n, dtype=torch.int64)
                 rows = torch.zeros(n, d_c), torch.zeros(n, d_r)
-                take(Case("writer", precision, d_c, 0, page), write_slots, storage, lay,
+                take(Case("writer", precision, d_c, 0, page), ops.write, storage, lay,
                      pages, torch.arange(n), *rows, "triton")  # fmt: skip
                 workspace = torch.zeros(n * page, d_c + d_r, dtype=torch.bfloat16)
-                take(Case("context gather", precision, d_c, 0, page), gather_pages, storage,
-                     lay, pages, workspace)  # fmt: skip
+                take(Case("context gather", precision, d_c, 0, page), ops.dequantize, storage,
+                     lay, pages, workspace, "triton")  # fmt: skip
                 for heads in HEADS:  # the serving backend's and the packed cache's decode
                     for prot_dtype in PROTECTION_DTYPES:
                         for batch, context in ((1, 32768), (8, 4096)):  # merge widths
                             args = _decode_inputs(lay, batch, heads, context, prot_dtype)
                             take(Case("decode", precision, d_c, heads, page),
-                                 launch_decode, **args)  # fmt: skip
+                                 ops.decode, **args, kernel="triton")  # fmt: skip
     for precision in BENCH_FORMATS:  # the latency harness (Fig. 5b): tuned launch configs
         if precision not in formats:
             continue
