@@ -3,7 +3,7 @@ layout: models × precisions × methods, suite averages with equal weight per be
 quantized value per model/precision/column in bold (BF16 never bold; ties at display precision all
 bold), "—" for a missing cell (never zero), and the paper's own numbers beside ours where stated.
 
-    python -m analysis.tables tiny_table1            # Markdown to stdout, Markdown + LaTeX to docs/tables/
+    python -m analysis.tables tiny_table1 | smol_table1   # Markdown to stdout, Markdown + LaTeX to docs/tables/
     python -m analysis.tables table1 --source wandb --project quantmla
     python -m analysis.tables table4 [--experiment tiny_fig2_sensitivity]   # sensitivity aggregates
     python -m analysis.tables table5 | table6 [--experiment tiny_table5_probes]   # operator analysis
@@ -104,6 +104,7 @@ LAYOUTS = {
     ),
     "tiny_table1": Layout("tiny_table1", TINY, tuple(f"acc/{t}" for t in TINY_TASKS)),
     "tiny_table1_v2": Layout("tiny_table1_v2", TINY_V2),
+    "smol_table1": Layout("smol_table1", TINY, tuple(f"acc/{t}" for t in TINY_TASKS)),
 }
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from vllm.config import get_current_vllm_config_or_none
-from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
+from vllm.model_executor.layers.attention.mla_attention import MLACommonBackend, MLACommonImpl
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
 from quantmla.errors import QuantMLAError
@@ -128,10 +128,12 @@ def _current() -> Served | None:
     return getattr(config, _SERVED, None) if config is not None else None
 
 
-class QuantMLABackend(CPUMLABackend):
-    """vLLM's MLA scaffolding (metadata, W_UK/W_UV absorption) over the packed page layout."""
+class QuantMLABackend(MLACommonBackend):
+    """vLLM's common MLA scaffolding (metadata, W_UK/W_UV absorption) over the packed page layout:
+    the same classes on CUDA and CPU (vLLM's GPU MLA backends build on them too)."""
 
     supported_dtypes = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes = ["auto"]  # the cache format is ours (quantmla.precision)
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -168,11 +170,12 @@ class QuantMLABackend(CPUMLABackend):
         return replace(spec, dtype=torch.bfloat16)
 
 
-class QuantMLAImpl(CPUMLAImpl):
+class QuantMLAImpl(MLACommonImpl):
     can_return_lse_for_decode = False
 
     def __init__(self, *args, **mla_args):
-        super().__init__(*args, **mla_args)
+        super().__init__(*args, **mla_args)  # geometry, kv_b_proj, DCP size: no kernel choice
+        self.supports_quant_query_input = False  # queries arrive unquantized
         config = get_current_vllm_config_or_none()
         if config is None:
             raise QuantMLAError("the QuantMLA backend is built inside a vLLM engine only")
