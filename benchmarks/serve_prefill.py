@@ -1,0 +1,156 @@
+"""Chunked prefill of the QuantMLA vLLM backend: the packed cache (C4R4) against the same backend's
+BF16 mode, per prompt token, as a ratio measured in the same run (issue #42 item 2).
+
+Op level, no vLLM: one request's prompt prefilled chunk by chunk as the backend does it — each
+chunk attends over itself, the context's protection rows and the context's cache copy
+(`prefill_attention` with a `PrefillContext` read through `context_reader` / `row_reader`, the
+backend's own readers), then is written to the cache (`write_packed` / `write_rows`, and the
+protection rows). Geometry: the Fig. 5c twin's model (tiny-mla-v2-4k: d_c 256 + d_r 64, 4 heads,
+d_nope 64, d_v 64), 16-token pages, a 3,968-token prompt, chunks of 256 and 2,048. Variants
+alternate within each round; the table shows medians, the ratio to BF16 mode, and (`--profile`)
+where each variant's time goes.
+
+    python benchmarks/serve_prefill.py [--prompt 3968] [--chunks 256 2048] [--rounds 5]
+        [--threads 1] [--profile] [--out results/bench/serve_prefill.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from quantmla.serving.paged_attention import (
+    PrefillContext,
+    context_reader,
+    prefill_attention,
+    row_reader,
+    write_packed,
+    write_rows,
+)
+from quantmla.serving.settings import ServeSettings
+
+D_C, D_R, HEADS, D_NOPE, D_V = 256, 64, 4, 64, 64
+BLOCK = 16
+SINK, RECENT = 4, 128
+
+
+class Request:
+    """One request's engine state: its pages (a block table over a page store) and, quantized,
+    its protection rows (the sinks and the last `recent` tokens, by position)."""
+
+    def __init__(self, precision: str, tokens: int):
+        settings = ServeSettings(precision=precision)
+        self.spec, self.quantized = settings.spec, settings.quantized
+        blocks = -(-tokens // BLOCK)
+        self.table = torch.randperm(blocks, generator=torch.Generator().manual_seed(1))
+        self.layout = settings.layout(D_C, D_R, BLOCK)
+        if self.quantized:
+            self.store = torch.zeros(blocks, self.layout.page_bytes(), dtype=torch.uint8)
+        else:
+            self.store = torch.zeros(blocks, BLOCK, D_C + D_R, dtype=torch.bfloat16)
+        self.workspace = torch.empty(tokens + 2 * BLOCK, D_C + D_R)  # vLLM's: ≥ the context
+        self.rows = torch.empty(0, D_C + D_R, dtype=torch.bfloat16)  # exact rows, by position
+
+    def context(self, tokens: int) -> PrefillContext | None:
+        """The context as the backend builds it, read in one piece (vLLM's workspace holds it)."""
+        if tokens == 0:
+            return None
+        if not self.quantized:
+            read = row_reader(self.store, self.table, D_C)
+            return PrefillContext(tokens, torch.empty(0), torch.empty(0, D_C + D_R), read, tokens)
+        sinks = torch.arange(min(SINK, tokens))
+        positions = torch.cat([sinks, torch.arange(max(SINK, tokens - RECENT), tokens)])
+        read = context_reader(self.store, self.layout, self.table, self.workspace, "torch")
+        return PrefillContext(tokens, positions, self.rows[positions], read, tokens)
+
+    def write(self, start: int, c: torch.Tensor, k_r: torch.Tensor) -> None:
+        n = c.shape[0]
+        slots = (
+            self.table[(start + torch.arange(n)) // BLOCK] * BLOCK
+            + (start + torch.arange(n)) % BLOCK
+        )
+        if self.quantized:
+            write_packed(self.store, self.layout, slots, c, k_r, "torch")
+            self.rows = torch.cat([self.rows, torch.cat([c, k_r], -1).to(torch.bfloat16)])
+        else:
+            write_rows(self.store, slots, c, k_r)
+
+
+def prefill(precision: str, inputs, prompt: int, chunk: int) -> None:
+    """The whole prompt through the backend's chunked prefill, as one engine request."""
+    q, c, k_r, kv_b_proj = inputs
+    request = Request(precision, prompt)
+    for start in range(0, prompt, chunk):
+        end = min(prompt, start + chunk)
+        prefill_attention(
+            q[start:end], c[start:end], k_r[start:end], kv_b_proj, request.spec, SINK, RECENT,
+            D_NOPE, D_V, 0.1, context=request.context(start),
+        )  # fmt: skip
+        request.write(start, c[start:end], k_r[start:end])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompt", type=int, default=3968)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[256, 2048])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (vLLM's default: 1)")
+    parser.add_argument("--profile", action="store_true", help="where each variant's time goes")
+    parser.add_argument("--out", default="results/bench/serve_prefill.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    n = args.prompt
+    proj = torch.nn.Linear(D_C, HEADS * (D_NOPE + D_V), bias=False).to(torch.bfloat16)
+    torch.nn.init.normal_(proj.weight, std=D_C**-0.5, generator=gen)
+    inputs = (
+        torch.randn(n, HEADS, D_NOPE + D_R, generator=gen).to(torch.bfloat16),
+        torch.randn(n, D_C, generator=gen).to(torch.bfloat16),
+        torch.randn(n, D_R, generator=gen).to(torch.bfloat16),
+        lambda x: proj(x.to(torch.bfloat16)),
+    )
+    rows = []
+    with torch.no_grad():
+        for chunk in args.chunks:
+            times = {"bf16": [], "c4r4": []}
+            for precision in times:
+                prefill(precision, inputs, n, chunk)  # warm-up (the C++ op builds once)
+            for _ in range(args.rounds):
+                for precision in times:
+                    start = time.perf_counter()
+                    prefill(precision, inputs, n, chunk)
+                    times[precision].append((time.perf_counter() - start) / n * 1e6)
+            base = statistics.median(times["bf16"])
+            rows += [{"prompt": n, "chunk": chunk, "variant": v, "us_per_token": statistics.median(t),
+                      "min": min(t), "max": max(t), "vs_bf16": statistics.median(t) / base}
+                     for v, t in times.items()]  # fmt: skip
+            if args.profile:
+                from torch.profiler import profile
+
+                for precision in times:
+                    with profile() as prof:
+                        prefill(precision, inputs, n, chunk)
+                    print(f"{precision}, chunks of {chunk}:")
+                    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    machine = f"{platform.processor() or platform.machine()}, {args.threads} thread(s)"
+    print(f"machine: {machine}; prefill path: torch (the backend's CPU path)")
+    print(
+        f"{'prompt':>7}{'chunk':>7}{'variant':>9}{'us/token':>10}{'min':>9}{'max':>9}{'x BF16':>8}"
+    )
+    for r in rows:
+        print(f"{r['prompt']:>7}{r['chunk']:>7}{r['variant']:>9}{r['us_per_token']:>10.1f}"
+              f"{r['min']:>9.1f}{r['max']:>9.1f}{r['vs_bf16']:>8.2f}")  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
