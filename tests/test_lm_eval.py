@@ -471,3 +471,30 @@ def test_livecodebench_prompt_extraction_and_scoring(code_eval):
 
 def test_livecodebench_task_loads_in_lm_eval(manager):
     assert "quantmla_livecodebench" in manager.all_tasks
+
+
+@pytest.mark.parametrize("name", [n for n in TASKS if n.endswith("shot")])
+def test_few_shot_commonsense_prepends_n_other_documents(manager, name):
+    """`<task>_<n>shot`: each request is the 0-shot request behind n examples (lm-eval's "\\n\\n"
+    delimiter) drawn from the same local split, never the document itself."""
+    task = TASKS[name]
+    few = requests(manager, task.local, limit=3)[task.upstream]
+    zero = requests(manager, f"quantmla_{task.upstream}", limit=3)[task.upstream]
+    assert len(few) == len(zero)
+    for (context, target), (context0, target0) in zip(few, zero):
+        assert target == target0 and context.endswith(context0)
+        examples = context[: -len(context0)].split("\n\n")
+        assert len(examples) == task.num_fewshot + 1 and examples[-1] == ""
+        assert not any(context0.strip() in e for e in examples[:-1])
+
+
+def test_one_shot_count_per_upstream_task_in_a_job():
+    from types import SimpleNamespace
+
+    from quantmla.evaluation.lm_eval.suites import check_lm_eval
+
+    ev = SimpleNamespace(
+        kind="lm_eval", data="local", limit=4, tasks=["hellaswag", "hellaswag_10shot"]
+    )
+    with pytest.raises(ConfigError, match="one shot count per upstream task"):
+        check_lm_eval(ev, None, DATA_DIR)

@@ -36,7 +36,7 @@ class SuiteTask:
             return self.local
         if self.num_fewshot is None:
             return self.upstream
-        kind = "group" if self.result_key(data) == self.upstream else "task"
+        kind = "group" if self.upstream in UPSTREAM_GROUPS else "task"
         return {
             "group": f"quantmla_hub_{self.name}",
             "task": [{kind: self.upstream, "num_fewshot": self.num_fewshot}],
@@ -47,6 +47,9 @@ class SuiteTask:
         if self.name != "mmlu":
             return self.upstream
         return self.local if data == "local" and self.local else self.upstream
+
+
+UPSTREAM_GROUPS = {"mmlu"}  # upstream names that are lm-eval groups (of subject tasks), not tasks
 
 
 def _t(name, label, upstream, metric, hub, local=None, code=False, shots=None) -> SuiteTask:
@@ -85,6 +88,24 @@ TASKS: dict[str, SuiteTask] = {
             "quantmla_winogrande",
         ),
         _t("mmlu", "MMLU", "mmlu", "acc,none", "cais/mmlu", "quantmla_mmlu", shots=5),
+        *(  # few-shot commonsense: prompts longer than the 132 protected tokens read the cache
+            _t(
+                f"{name}_{n}shot",
+                f"{label} {n}-shot",
+                name,
+                metric,
+                hub,
+                f"quantmla_{name}_{n}shot",
+                shots=n,
+            )  # fmt: skip
+            for name, label, metric, hub, n in (
+                ("hellaswag", "HellaSwag", "acc_norm,none", "Rowan/hellaswag", 10),
+                ("piqa", "PIQA", "acc_norm,none", "baber/piqa", 5),
+                ("arc_easy", "ARC-E", "acc_norm,none", "allenai/ai2_arc", 25),
+                ("arc_challenge", "ARC-C", "acc_norm,none", "allenai/ai2_arc", 25),
+                ("winogrande", "WinoGrande", "acc,none", "allenai/winogrande", 5),
+            )
+        ),
         _t("gsm8k", "GSM8K", "gsm8k", "exact_match,strict-match", "openai/gsm8k", "quantmla_gsm8k"),
         _t("fda", "FDA", "fda", "contains,none", "hazyresearch/based-fda"),
         _t("swde", "SWDE", "swde", "contains,none", "hazyresearch/based-swde-v2"),
@@ -165,6 +186,14 @@ def check_lm_eval(ev, max_positions: int | None, data_dir) -> None:
     for name in ev.tasks:
         if name not in TASKS:
             raise ConfigError("eval.tasks", name, tuple(TASKS))
+    upstream = [TASKS[n].upstream for n in ev.tasks]
+    clash = sorted({n for n in ev.tasks if upstream.count(TASKS[n].upstream) > 1})
+    if clash:  # lm-eval would report both under one task name
+        raise ConfigError(
+            "eval.tasks",
+            clash,
+            "at most one shot count per upstream task in a job (run the others in another job)",
+        )
     code = [n for n in ev.tasks if TASKS[n].code]
     if code and os.environ.get(CODE_EVAL_ENV) != "1":
         raise ConfigError(
