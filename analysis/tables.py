@@ -9,6 +9,7 @@ bold), "—" for a missing cell (never zero), and the paper's own numbers beside
     python -m analysis.tables table5 | table6 [--experiment tiny_table5_probes]   # operator analysis
     python -m analysis.tables frontier | frontier_pairs [--experiment tiny_frontier]   # issue #23
     python -m analysis.tables smol_testbed | smol_outliers | smol_rtn_cost              # issue #39
+    python -m analysis.tables claims             # the paper's claims on each testbed (issue #40)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from analysis import frontier, probes, sensitivity, testbed, throughput
+from analysis import claims, frontier, probes, sensitivity, testbed, throughput
 from analysis.common import add_wandb_arguments, default_results_dir, output_name, wandb_logger
 from quantmla.methods.registry import METHODS
 from quantmla.tracking.store import load_records
@@ -221,6 +222,7 @@ def study_tables(paper: dict) -> dict:
         "smol_testbed": (testbed.testbed_rows, "smol_testbed"),
         "smol_outliers": (testbed.outlier_rows, "smol_testbed"),
         "smol_rtn_cost": (testbed.rtn_cost_rows, "smol_rtn_cost"),
+        "claims": (claims.claims_rows, ""),  # every experiment's records
         "fig5c_sweep": (
             lambda records: throughput.sweep_rows(records, paper["fig5c_throughput"]["c4r4"]),
             "fig5c_throughput",
@@ -230,7 +232,7 @@ def study_tables(paper: dict) -> dict:
 
 STUDY_TABLES = (
     "table4", "table5", "table6", "allocation", "frontier", "frontier_pairs", "fig5c_sweep",
-    "smol_testbed", "smol_outliers", "smol_rtn_cost",
+    "smol_testbed", "smol_outliers", "smol_rtn_cost", "claims",
 )  # fmt: skip
 
 

@@ -1,0 +1,40 @@
+"""analysis/claims.py: each claim's verdict from records, on synthetic stores with known answers."""
+
+from analysis.claims import claims_rows
+
+
+def table1(ppl: dict[tuple[str, str], float], experiment="smol_table1") -> list[dict]:
+    return [
+        {"experiment": experiment,
+         "config": {"model": {"name": "smol_mla"}, "precision": {"name": p}, "method": {"name": m}},
+         "metrics": {"ppl/wikitext2": v}}
+        for (p, m), v in ppl.items()
+    ]  # fmt: skip
+
+
+def smol_column(rows, claim_start: str) -> tuple[str, str]:
+    (row,) = [r for r in rows if r[0].startswith(claim_start)]
+    return row[4], row[5]
+
+
+def test_table1_claims_follow_the_perplexities():
+    ppl = {("bf16", "rtn"): 20.0, ("c4r4", "quantmla"): 20.1, ("c2r4", "rtn"): 30.0,
+           ("c2r4", "smoothquant"): 25.0, ("c2r4", "quarot"): 22.0, ("c2r4", "quantmla"): 21.0}  # fmt: skip
+    rows = claims_rows(table1(ppl))
+    assert smol_column(rows, "C4R4 QuantMLA") == ("+0.50 % ppl", "yes")
+    assert smol_column(rows, "C2R4 QuantMLA") == ("+5.00 % vs QuaRot† +10.00 %", "yes")
+    assert smol_column(rows, "Ranking")[1] == "yes"
+    ppl[("c2r4", "quantmla")] = 23.0  # now between QuaRot† and SmoothQuant†
+    ppl[("c4r4", "quantmla")] = 20.4
+    rows = claims_rows(table1(ppl))
+    assert smol_column(rows, "C4R4 QuantMLA") == ("+2.00 % ppl", "**no**: more than 1 % from BF16")
+    assert smol_column(rows, "C2R4 QuantMLA")[1] == "**no**: QuaRot† is lower"
+    value, verdict = smol_column(rows, "Ranking")
+    assert value == "RTN < SmoothQuant† < QuantMLA < QuaRot†" and verdict.startswith("**no**")
+
+
+def test_claims_without_records_say_what_would_give_them():
+    rows = claims_rows(table1({("bf16", "rtn"): 20.0}, experiment="elsewhere"))
+    value, verdict = smol_column(rows, "C4R4 QuantMLA")
+    assert value == "—" and "experiment=smol_table1" in verdict
+    assert "no `smol_fig4_ruler` experiment yet" in smol_column(rows, "RULER")[1]
