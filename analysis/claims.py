@@ -14,9 +14,10 @@ from pathlib import Path
 
 from analysis import probes, sensitivity, throughput
 
-# the experiments each testbed's claims read (each holds one model)
+# each testbed's model and the experiments its claims read (a shared one is filtered by model)
 TESTBEDS = {
     "tiny-mla-v2": {
+        "model": "tiny_mla_v2",
         "table1": "tiny_table1_v2",
         "sensitivity": "tiny_fig2_sensitivity",
         "ruler": "tiny_fig4_ruler_v2",
@@ -24,6 +25,7 @@ TESTBEDS = {
         "probes": "tiny_table5_probes",
     },
     "SmolLM2-MLA": {
+        "model": "smol_mla",
         "table1": "smol_table1",
         "sensitivity": "smol_fig2_sensitivity",
         "ruler": "smol_fig4_ruler",
@@ -52,8 +54,13 @@ class Claim:
     measure: Callable[[list[dict], str], Verdict]
 
 
-def _of(records: list[dict], experiment: str) -> list[dict]:
-    return [r for r in records if r.get("experiment") == experiment]
+def _of(records: list[dict], experiment: str, model: str) -> list[dict]:
+    """The experiment's records of the testbed's model (or of its twin: tiny-mla-v2-4k's Fig. 5c)."""
+    return [
+        r
+        for r in records
+        if r.get("experiment") == experiment and r["config"]["model"]["name"].startswith(model)
+    ]
 
 
 def _ppl(records: list[dict], precision: str, method: str | None = None) -> float | None:
@@ -190,7 +197,7 @@ def claims_rows(records: list[dict]) -> list[list[str]]:
         row = [claim.text, claim.paper]
         for bed in TESTBEDS.values():
             experiment = bed[claim.source]
-            verdict = claim.measure(_of(records, experiment), experiment)
+            verdict = claim.measure(_of(records, experiment, bed["model"]), experiment)
             mark = {True: "yes", False: "**no**", None: "—"}[verdict.reproduced]
             row += [verdict.value, f"{mark}: {verdict.reason}" if verdict.reason else mark]
         rows.append(row)

@@ -37,4 +37,4 @@ def test_claims_without_records_say_what_would_give_them():
     rows = claims_rows(table1({("bf16", "rtn"): 20.0}, experiment="elsewhere"))
     value, verdict = smol_column(rows, "C4R4 QuantMLA")
     assert value == "—" and "experiment=smol_table1" in verdict
-    assert "no `smol_fig4_ruler` experiment yet" in smol_column(rows, "RULER")[1]
+    assert "no `smol_fig5c_throughput` experiment yet" in smol_column(rows, "Cache-pressure")[1]
