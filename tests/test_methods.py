@@ -222,6 +222,7 @@ def test_a_stopped_calibration_resumes_where_it_stopped(ctx, tmp_path, monkeypat
         return MethodJob(ctx.modules, C4R4, cal, ctx, seed=0, resume_path=resume)
 
     whole = quantmla(job())
+    assert 0 < whole.report["seconds_selection"] < whole.report["seconds_fit"]  # where time goes
     resume = tmp_path / "fit.ckpt"
     stop_at = QuantMLACalibration.on_train_batch_end
 

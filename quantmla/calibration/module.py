@@ -16,6 +16,7 @@ constant rate, batch 4 sequences, selection every 25 steps.
 from __future__ import annotations
 
 import copy
+import time
 
 import lightning as L
 import torch
@@ -84,6 +85,7 @@ class QuantMLACalibration(L.LightningModule):
             for _ in self.layers
         ]
         self.history: list[dict] = []
+        self.seconds_selection = 0.0  # of the fit's time, the held-out selections'
 
     # -- objectives ---------------------------------------------------------------------------
     def _layout(self, layer: int) -> str:
@@ -131,6 +133,7 @@ class QuantMLACalibration(L.LightningModule):
     # -- held-out checkpoint selection --------------------------------------------------------
     @torch.no_grad()
     def select(self) -> None:
+        started = time.time()
         step = self.global_step
         record = {"step": step}
         for layer, params in enumerate(self.layers):
@@ -144,6 +147,7 @@ class QuantMLACalibration(L.LightningModule):
                 if value < self.best[layer][path][0]:
                     self.best[layer][path] = (value, copy.deepcopy(params.transforms()), step)
         self.history.append(record)
+        self.seconds_selection += time.time() - started
         if self.logger is not None:
             self.logger.log_metrics(
                 {f"heldout/{k}": v for k, v in record.items() if k != "step"}, step=step

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 
 import torch
 
@@ -86,7 +87,9 @@ def prepare_method(
     if path.is_file() and not cfg.force:
         print(f"[quantmla] loading {method.name} artifact {path}")
         return load_artifact(path, expected)
+    started = time.time()
     store = capture_inputs(model, modules, sequences, cal.capture_batch_size, cal.store_dir)
+    captured = time.time() - started
     ctx = CalibrationContext(
         model,
         adapter,
@@ -100,6 +103,8 @@ def prepare_method(
         resume_path=path.parent / "resume" / f"{path.stem}.ckpt",
     )  # fmt: skip
     result = method.build(job)
+    if result.report is not None:  # where a calibration's time goes
+        result.report["seconds_capture"] = captured
     result.metadata = expected
     save_artifact(result, path)
     print(f"[quantmla] saved {method.name} artifact {path}")

@@ -101,6 +101,7 @@ def quantmla(job: MethodJob) -> MethodResult:
         "history": module.history,
         "seconds_alpha_search": searched - started,
         "seconds_fit": time.time() - searched,
+        "seconds_selection": module.seconds_selection,  # of seconds_fit (this process's part)
         "resumed_at_step": start,
     }
     return MethodResult("quantmla", best, report=report)
