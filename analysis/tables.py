@@ -236,7 +236,8 @@ STUDY_TABLES = (
 )  # fmt: skip
 
 
-GENERATED = re.compile(r"(<!-- generated: (\S+) -->\n)(.*?)(\n<!-- end generated -->)", re.DOTALL)
+# a block's body may be empty (a page that names a table before it was generated)
+GENERATED = re.compile(r"(<!-- generated: (\S+) -->\n)(.*?)(\n?<!-- end generated -->)", re.DOTALL)
 
 
 def embed_in_docs(name: str, markdown: str, docs: Path) -> list[Path]:
@@ -246,7 +247,10 @@ def embed_in_docs(name: str, markdown: str, docs: Path) -> list[Path]:
     for page in sorted(docs.glob("*.md")):
         text = page.read_text()
         new = GENERATED.sub(
-            lambda m: m[1] + markdown.strip() + m[4] if m[2] == name else m[0], text
+            lambda m: (
+                m[1] + markdown.strip() + "\n<!-- end generated -->" if m[2] == name else m[0]
+            ),
+            text,
         )
         if new != text:
             page.write_text(new)

@@ -236,7 +236,9 @@ def test_generated_table_blocks_equal_their_files():
     blocks = 0
     for page in DOCS:
         for name, body in re.findall(
-            r"<!-- generated: (\S+) -->\n(.*?)\n<!-- end generated -->", page.read_text(), re.DOTALL
+            r"<!-- generated: (\S+) -->\n(.*?)\n?<!-- end generated -->",
+            page.read_text(),
+            re.DOTALL,
         ):
             assert body.strip() == (REPO / "docs" / "tables" / f"{name}.md").read_text().strip(), (
                 page,
@@ -253,7 +255,14 @@ def test_embedding_refreshes_only_that_tables_blocks(tmp_path):
     page.write_text(
         "a\n<!-- generated: t1 -->\nold\n<!-- end generated -->\n<!-- generated: t2 -->\nkeep\n<!-- end generated -->\n"
     )
-    assert embed_in_docs("t1", "| new |\n", tmp_path) == [page]
+    empty = tmp_path / "empty.md"  # a block never generated yet
+    empty.write_text(
+        "<!-- generated: t1 -->\n<!-- end generated -->\n<!-- generated: t2 -->\nkeep\n<!-- end generated -->\n"
+    )
+    assert embed_in_docs("t1", "| new |\n", tmp_path) == [empty, page]
+    assert empty.read_text().startswith(
+        "<!-- generated: t1 -->\n| new |\n<!-- end generated -->\n<!-- generated: t2 -->\nkeep"
+    )
     assert (
         page.read_text()
         == "a\n<!-- generated: t1 -->\n| new |\n<!-- end generated -->\n<!-- generated: t2 -->\nkeep\n<!-- end generated -->\n"
