@@ -1,5 +1,6 @@
-"""The paper's claims (SPEC §9, with the sensitivity and operator findings) against each testbed's
-records: the paper's number, ours, and reproduced / not reproduced with the measured reason.
+"""The paper's claims (its headline numbers, docs/method.md §9, with the sensitivity and operator
+findings) against each testbed's records: the paper's number, ours, and reproduced / not
+reproduced with the measured reason.
 
 Accuracy claims are stated in benchmark points on 16B+ models; on the testbeds their proxy is
 WikiText-2 perplexity at 2,048-token windows from the Table 1 twin's records (the criterion of
