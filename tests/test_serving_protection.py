@@ -280,3 +280,20 @@ def test_merge_states_is_the_softmax_over_the_union():
     none = _attend(q, k, v, torch.zeros(5, 5, dtype=torch.bool), 0.3)  # a part nobody reads
     for got, want in zip(merge_states(*whole, *none), whole):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_bf16_mode_budget_must_hold_one_request_before_vllm_starts():
+    """Without protection (BF16 mode) the budget still needs one max_model_len-token request's
+    pages — checked in the user's process, whatever max_num_seqs is (issue #42's bad input)."""
+    import sys
+
+    from quantmla.serving.settings import fitting_num_seqs
+
+    s = ServeSettings(precision="bf16")
+    request = 4096 * (256 + 64) * 2 * 6
+    assert fitting_num_seqs(s, 256, 64, 6, request, 4096, 16) == sys.maxsize
+    with pytest.raises(
+        QuantMLAError,
+        match=rf"1000 cannot hold one 4096-token request \({request} B of pages\); raise",
+    ):
+        fitting_num_seqs(s, 256, 64, 6, 1000, 4096, 16)

@@ -68,7 +68,7 @@ def check(
         predicted_capacity(
             settings, d_c, d_r, layers, block_size, kv_cache_memory_bytes, max_num_seqs
         )
-    elif kv_cache_memory_bytes is not None and settings.quantized:
+    elif kv_cache_memory_bytes is not None:  # BF16 mode too: one request's pages must fit
         length = max_model_len or geometry["max_position_embeddings"] or block_size
         fitting_num_seqs(settings, d_c, d_r, layers, kv_cache_memory_bytes, length, block_size)
     return settings, geometry

@@ -161,19 +161,18 @@ def fitting_num_seqs(
     block_size: int,
 ) -> int:  # fmt: skip
     """The most requests whose protection leaves an explicit budget pages for one
-    `max_model_len`-token request (what vLLM requires); one line if not even one request fits."""
-    one = settings.protection_bytes(d_c, d_r) * layers
-    if not one:
-        return sys.maxsize
+    `max_model_len`-token request (what vLLM requires); one line if not even one request fits
+    (in BF16 mode, no protection: if the budget cannot hold that request's pages)."""
+    one = settings.protection_bytes(d_c, d_r) * layers  # 0 in BF16 mode: no protection
     request = -(-max_model_len // block_size) * block_size * settings.token_bytes(d_c, d_r) * layers
-    fits = (kv_bytes - request) // one
-    if fits < 1:
+    if kv_bytes < request + one:
+        protection = f" and its BF16 protection ({one} B)" if one else ""
         raise QuantMLAError(
             f"kv_cache_memory_bytes={kv_bytes} cannot hold one {max_model_len}-token request "
-            f"({request} B of pages) and its BF16 protection ({one} B); raise the budget to at "
-            f"least {request + one + 1} or lower max_model_len"
+            f"({request} B of pages){protection}; raise the budget to at least {request + one} "
+            "or lower max_model_len"
         )
-    return int(fits)
+    return int((kv_bytes - request) // one) if one else sys.maxsize
 
 
 def predicted_capacity(
