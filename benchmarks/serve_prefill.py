@@ -6,12 +6,13 @@ chunk attends over itself, the context's protection rows and the context's cache
 (`prefill_attention` with a `PrefillContext` read through `context_reader` / `row_reader`, the
 backend's own readers), then is written to the cache (`write_packed` / `write_rows`, and the
 protection rows). Geometry: the Fig. 5c twin's model (tiny-mla-v2-4k: d_c 256 + d_r 64, 4 heads,
-d_nope 64, d_v 64), 16-token pages, a 3,968-token prompt, chunks of 256 and 2,048. Variants
+d_nope 64, d_v 64; served in float32 as its config says), 16-token pages, a 3,968-token prompt,
+chunks of 256 and 2,048. Variants
 alternate within each round; the table shows medians, the ratio to BF16 mode, and (`--profile`)
 where each variant's time goes.
 
     python benchmarks/serve_prefill.py [--prompt 3968] [--chunks 256 2048] [--rounds 5]
-        [--threads 1] [--profile] [--out results/bench/serve_prefill.json]
+        [--threads N] [--dtype float32] [--profile] [--out results/bench/serve_prefill.json]
 """
 
 from __future__ import annotations
@@ -100,20 +101,26 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=3968)
     parser.add_argument("--chunks", type=int, nargs="+", default=[256, 2048])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads (vLLM's default: 1)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=torch.get_num_threads(),
+        help="CPU threads (default: all cores, as vLLM's CPU worker binds one per core)",
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--profile", action="store_true", help="where each variant's time goes")
     parser.add_argument("--out", default="results/bench/serve_prefill.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    n = args.prompt
-    proj = torch.nn.Linear(D_C, HEADS * (D_NOPE + D_V), bias=False).to(torch.bfloat16)
+    n, dtype = args.prompt, getattr(torch, args.dtype)
+    proj = torch.nn.Linear(D_C, HEADS * (D_NOPE + D_V), bias=False).to(dtype)
     torch.nn.init.normal_(proj.weight, std=D_C**-0.5, generator=gen)
     inputs = (
-        torch.randn(n, HEADS, D_NOPE + D_R, generator=gen).to(torch.bfloat16),
-        torch.randn(n, D_C, generator=gen).to(torch.bfloat16),
-        torch.randn(n, D_R, generator=gen).to(torch.bfloat16),
-        lambda x: proj(x.to(torch.bfloat16)),
+        torch.randn(n, HEADS, D_NOPE + D_R, generator=gen).to(dtype),
+        torch.randn(n, D_C, generator=gen).to(dtype),
+        torch.randn(n, D_R, generator=gen).to(dtype),
+        lambda x: proj(x.to(dtype)),
     )
     rows = []
     with torch.no_grad():
@@ -138,7 +145,9 @@ def main() -> None:
                         prefill(precision, inputs, n, chunk)
                     print(f"{precision}, chunks of {chunk}:")
                     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
-    machine = f"{platform.processor() or platform.machine()}, {args.threads} thread(s)"
+    machine = (
+        f"{platform.processor() or platform.machine()}, {args.threads} thread(s), {args.dtype}"
+    )
     print(f"machine: {machine}; prefill path: torch (the backend's CPU path)")
     print(
         f"{'prompt':>7}{'chunk':>7}{'variant':>9}{'us/token':>10}{'min':>9}{'max':>9}{'x BF16':>8}"

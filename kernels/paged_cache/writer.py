@@ -33,15 +33,12 @@ def token_bytes(layout: CacheLayout, c: torch.Tensor, k_r: torch.Tensor) -> dict
 def write_torch(storage: torch.Tensor, layout: CacheLayout, pages, slots, c, k_r) -> None:
     """The torch writer: each token's section bytes scattered to (page, slot) of `storage`
     (n_pages, page_bytes) uint8 — a pool's, or an engine's block tensor viewed as pages."""
-    flat = storage.view(-1)
-    page_bytes = layout.page_bytes()
     pages, slots = pages.to(storage.device, torch.int64), slots.to(storage.device, torch.int64)
+    sections, tokens = layout.sections(), layout.page_tokens
     for name, data in token_bytes(layout, c, k_r).items():
-        start, _ = layout.sections()[name]
-        row = data.shape[-1]
-        base = pages * page_bytes + start + slots * row  # int64
-        index = base[:, None] + torch.arange(row, device=storage.device)[None, :]
-        flat[index.flatten()] = data.flatten().to(storage.device)
+        start, row = sections[name][0], data.shape[-1]
+        section = storage[:, start : start + tokens * row].view(-1, tokens, row)
+        section[pages, slots] = data.to(storage.device)
 
 
 # ------------------------------------------------------------------------------------- Triton

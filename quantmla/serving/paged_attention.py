@@ -5,14 +5,16 @@ Prefill attends as the simulator does (docs/simulator.md): query i reads token j
 j < sink or i − j < recent, the dequantized copy otherwise. A prefill chunk (vLLM's chunked
 prefill: any chunk size, any boundary) attends over its own tokens (both copies expanded through
 `kv_b_proj`), the context's BF16 protection rows and the context's dequantized pages, read in
-workspace-sized chunks; each part under the rule's mask, LSE-merged (`merge_states`), blocks of
-queries gathering only the keys one of them reads. Decode reads packed pages and the request's
+workspace-sized chunks: the context every query of the chunk reads without a mask, the rest in
+blocks of queries gathering only the keys one of them reads, under the rule's mask, LSE-merged
+(`merge_states`), by torch's fused CPU attention on a CPU. Decode reads packed pages and the request's
 protection rows through the cache's ops (`quantmla_kernels.paged_cache.ops`: Triton on CUDA, the
 CPU path elsewhere); both return the softmax-weighted latent, to which the engine applies W_UV.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,9 +25,9 @@ from quantmla.memory import CacheLayout
 from quantmla.quant import qdq_content, qdq_rope
 from quantmla_kernels.paged_cache import ops
 
-# queries per score block in prefill: quantized, a block reads both copies of as many keys as it
-# has queries (small blocks); BF16 mode reads one copy (larger blocks: fewer key copies)
-PREFILL_BLOCK = {True: 128, False: 512}
+# queries per block of the quantized prefill's window of exact copies: a block reads its own
+# tokens' and the `recent` before them
+PREFILL_BLOCK = 128
 
 
 def page_storage(kv_cache: torch.Tensor, layout: CacheLayout) -> torch.Tensor:
@@ -88,12 +90,41 @@ def merge_states(out_a, lse_a, out_b, lse_b):
 
 def _attend(qh, keys, values, mask, scaling):
     """(out (H, n, d_v), lse (H, n)) of queries qh (H, n, d) over keys/values (H, m, ·) where
-    `mask` (n, m) is True; rows that read nothing get out 0, lse −inf."""
+    `mask` (n, m) is True (None: every key); rows that read nothing get out 0, lse −inf."""
     scores = (qh @ keys.transpose(-1, -2)) * scaling
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     p = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
     return p @ values, lse
+
+
+def attend(qh, keys, values, mask, scaling, causal: bool = False):
+    """`_attend`, or with `causal` query r reading keys 0 .. r (as many queries as keys), by
+    torch's fused CPU attention on a CPU (one pass, no score matrix, causal blocks skipped; it
+    wants one head width, so the narrower of keys and values is zero-padded — zeros change no
+    score and add only zero columns) and by `_attend` elsewhere."""
+    if qh.device.type != "cpu":
+        if causal:
+            m = keys.shape[-2]
+            mask = torch.ones(m, m, dtype=torch.bool, device=qh.device).tril()
+        return _attend(qh, keys, values, mask, scaling)
+    width, d_v = max(keys.shape[-1], values.shape[-1]), values.shape[-1]
+
+    def padded(t):
+        return F.pad(t, (0, width - t.shape[-1]))[None] if t.shape[-1] < width else t[None]
+
+    bias = None
+    if mask is not None and not causal:
+        bias = torch.zeros(mask.shape, dtype=qh.dtype).masked_fill_(~mask, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        padded(qh), padded(keys), padded(values), 0.0, causal, attn_mask=bias, scale=scaling
+    )[:2]
+    out, lse = out[0, ..., :d_v], lse[0]
+    if bias is not None:  # the fused op leaves a row that reads nothing at lse 0
+        empty = ~mask.any(dim=-1)
+        out, lse = out.masked_fill(empty[:, None], 0.0), lse.masked_fill(empty, float("-inf"))
+    return out, lse
 
 
 def prefill_attention(
@@ -103,13 +134,20 @@ def prefill_attention(
     t₀ .. t₀ + n − 1 (t₀ = `context.tokens`, 0 without one) over themselves and the context.
 
     q (n, H, d_nope + d_r), c (n, d_c), k_r (n, d_r); `kv_b_proj(x)` → (n, H · (d_nope + d_v)).
-    Keys come in parts — the new tokens exact and dequantized, the context's exact rows, the
-    context's cache copy — each read under the rule's mask. A context that fits one workspace
-    read is attended with the rest in one softmax; a longer one in workspace-sized reads whose
-    partial results are LSE-merged."""
+    Three kinds of keys, each in fused passes (`attend`), LSE-merged:
+    - the *bulk*: the context's cache copy every query of the chunk reads (all of it in BF16
+      mode; positions sink .. t₀ − recent when quantized), without a mask, in workspace reads;
+    - the *causal* run: the copy read by query i up to position i − recent (recent = 0 in BF16
+      mode: the new tokens themselves; quantized: the dequantized copies of positions t₀ − recent
+      + 1 .. t₀ + n − 1 − recent ≥ sink, the context's and the chunk's), contiguous, so query
+      p₀ + recent + r reads its first r + 1 keys: square causal attention;
+    - quantized, the *window*: the exact copies (the context's protection rows, the new tokens)
+      under the rule's mask (sinks, and i − j < recent), in blocks of queries each reading its
+      own positions and the `recent` before them (`_window_blocks`)."""
     n, heads = q.shape[0], q.shape[1]
     start = context.tokens if context is not None else 0
     work = torch.promote_types(q.dtype, torch.float32)
+    quantized = spec.quantized
 
     def expand(latent, rope):
         m = latent.shape[0]
@@ -118,106 +156,95 @@ def prefill_attention(
         k = torch.cat([k_nope, rope[:, None, :].expand(m, heads, -1).to(work)], dim=-1)
         return k.transpose(0, 1), v.transpose(0, 1)  # (H, m, ·)
 
-    # (positions, keys, values, exact copy?) of every part; a query i reads key j iff j ≤ i and,
-    # when quantized, the copy is the rule's: exact iff j < sink or i − j < recent
-    positions = start + torch.arange(n, device=q.device)
-    parts = [(positions, *expand(c, k_r), True)]
-    if spec.quantized:  # the dequantized copies some query reads: positions ≥ sink, ≤ last − recent
-        lo, hi = min(max(0, sink - start), n), max(0, n - recent)
-        if lo < hi:
-            dq = qdq_content(spec, c[lo:hi]), qdq_rope(spec, k_r[lo:hi])
-            parts.append((positions[lo:hi], *expand(*dq), False))
-    reads = []  # the context's cache copy, (start, end) per workspace read
-    if context is not None and context.tokens:
-        if spec.quantized and context.positions.numel():
-            rows = context.exact.to(work)
-            latent, rope = rows[:, : c.shape[1]], rows[:, c.shape[1] :]
-            parts.append((context.positions.to(q.device), *expand(latent, rope), True))
-        # read only where the rule does: all of it in BF16 mode, else positions ≥ sink at least
-        # `recent` before the chunk's last query
-        lo = min(sink, context.tokens) if spec.quantized else 0
-        hi = min(context.tokens, start + n - recent) if spec.quantized else context.tokens
-        reads = [(a, min(hi, a + context.chunk)) for a in range(lo, hi, context.chunk)]
-
-    def cached(a, b):
-        return (torch.arange(a, b, device=q.device), *expand(*context.read(a, b)),
-                not spec.quantized)  # fmt: skip
-
     qh = q.transpose(0, 1).to(work)
-    if len(reads) <= 1:  # one softmax over every part
-        parts += [cached(*reads[0])] if reads else []
-        out = torch.empty(heads, n, d_v, dtype=work, device=q.device)
-        for a, b, keys, values, mask in _blocks(positions, parts, spec, sink, recent):
-            out[:, a:b] = F.scaled_dot_product_attention(
-                qh[:, a:b], keys, values, attn_mask=mask, scale=scaling
+    parts = []  # (first query, out, lse) of each attention pass
+    run = []  # (latent, rope) of the causal run, in position order
+    window = []  # (latent, rope, positions) of the exact copies (quantized)
+    if context is not None and context.tokens:
+        tokens = context.tokens
+        if quantized and context.positions.numel():
+            rows = context.exact
+            window.append((rows[:, : c.shape[1]], rows[:, c.shape[1] :], context.positions))
+        # the cache copy is read where the rule does: all of it in BF16 mode, else positions ≥
+        # sink at least `recent` before the chunk's last query; every query reads [lo, full)
+        lo, hi, full = 0, tokens, tokens
+        if quantized:
+            lo, hi = min(sink, tokens), min(tokens, start + n - recent)
+            full = min(hi, max(lo, tokens - recent + 1))
+        for a in range(lo, hi, context.chunk):
+            b = min(hi, a + context.chunk)
+            latent, rope = context.read(a, b)
+            if a < full:
+                keys, values = expand(latent[: full - a], rope[: full - a])
+                parts.append((0, *attend(qh, keys, values, None, scaling)))
+            if b > full:  # the context's part of the causal run
+                skip = max(0, full - a)
+                run.append((latent[skip:].clone(), rope[skip:].clone()))
+    run_start = full if run else None
+    if not quantized:
+        run.append((c, k_r))
+        run_start = start
+    else:
+        window.append((c, k_r, start + torch.arange(n, device=q.device)))
+        lo, hi = min(max(0, sink - start), n), max(0, n - recent)
+        if lo < hi:  # the chunk's dequantized copies some query reads
+            run.append((qdq_content(spec, c[lo:hi]), qdq_rope(spec, k_r[lo:hi])))
+            run_start = start + lo if run_start is None else run_start
+    if run:
+        keys, values = expand(torch.cat([p[0].to(c.dtype) for p in run]),
+                              torch.cat([p[1].to(work) for p in run]))  # fmt: skip
+        first = run_start + (recent if quantized else 0) - start  # the query reading key 0
+        parts.append((first, *attend(qh[:, first:], keys, values, None, scaling, causal=True)))
+    if window:
+        keys, values = expand(torch.cat([p[0].to(c.dtype) for p in window]),
+                              torch.cat([p[1].to(work) for p in window]))  # fmt: skip
+        j = torch.cat([p[2].to(q.device) for p in window])
+        out = torch.zeros(heads, n, d_v, dtype=work, device=q.device)
+        lse = torch.full((heads, n), float("-inf"), dtype=work, device=q.device)
+        for a, b, spans in _window_blocks(start, n, j.tolist(), sink, recent):
+            mask = _reads(start + torch.arange(a, b, device=q.device)[:, None],
+                          _take(j[None], spans), True, quantized, sink, recent)  # fmt: skip
+            out[:, a:b], lse[:, a:b] = attend(
+                qh[:, a:b], _take(keys, spans), _take(values, spans), mask, scaling
             )
-        return out.transpose(0, 1).reshape(n, heads * d_v)
+        parts.append((0, out, lse))
     out = torch.zeros(heads, n, d_v, dtype=work, device=q.device)
     lse = torch.full((heads, n), float("-inf"), dtype=work, device=q.device)
-    for group in [parts] + [[cached(a, b)] for a, b in reads]:
-        for a, b, keys, values, mask in _blocks(positions, group, spec, sink, recent):
-            part, part_lse = _attend(qh[:, a:b], keys, values, mask, scaling)
-            out[:, a:b], lse[:, a:b] = merge_states(out[:, a:b], lse[:, a:b], part, part_lse)
+    for a, part, part_lse in parts:
+        b = a + part.shape[1]
+        out[:, a:b], lse[:, a:b] = merge_states(out[:, a:b], lse[:, a:b], part, part_lse)
     return out.transpose(0, 1).reshape(n, heads * d_v)
 
 
-def _spans(jj, first: int, last: int, exact: bool, spec, sink: int, recent: int):
-    """Index ranges of a part's sorted key positions `jj` that some query at positions
-    first .. last reads: j ≤ last and, quantized, the rule's copy (exact: j < sink or
-    j > first − recent; dequantized: sink ≤ j ≤ last − recent)."""
-
-    def upto(p):  # how many positions ≤ p
-        return int(torch.searchsorted(jj, torch.tensor([p], device=jj.device), right=True))
-
-    end = upto(last)
-    if not spec.quantized:
-        return [(0, end)]
-    if not exact:
-        return [(upto(sink - 1), upto(last - recent))]
-    sinks = upto(min(sink, last + 1) - 1)
-    return [(0, sinks), (max(sinks, upto(first - recent)), end)]
-
-
-def _reads(i, j, exact: bool, spec, sink: int, recent: int):
-    """Whether query position(s) i read key position(s) j in this copy (the rule; broadcasts)."""
+def _reads(i, j, exact, quantized: bool, sink: int, recent: int):
+    """Whether query position(s) i read key position(s) j in the copy `exact` (the rule;
+    broadcasts)."""
     mask = j <= i
-    if spec.quantized:
+    if quantized:
         mask = mask & (((j < sink) | (i - j < recent)) == exact)
     return mask
 
 
-def _blocks(positions, parts, spec, sink, recent):
-    """Per block of `PREFILL_BLOCK[quantized]` queries: (a, b, keys, values, mask) with only the
-    keys some query of the block reads, from every part, concatenated (a part's keys are found by
-    their positions' ranges, so a block reads both copies of at most as many keys as it has
-    queries). The queries that read a key form an interval of positions, so a key every query of
-    the block reads is found from the block's first and last query; the mask is computed only
-    for the other keys (the band near the diagonal)."""
-    size = PREFILL_BLOCK[spec.quantized]
-    for a in range(0, positions.shape[0], size):
-        b = min(positions.shape[0], a + size)
-        i = positions[a:b, None]
-        first, last = int(positions[a]), int(positions[b - 1])
-        pieces, width = [], 0
-        for jj, keys, values, exact in parts:
-            for lo, hi in _spans(jj, first, last, exact, spec, sink, recent):
-                if lo >= hi:
-                    continue
-                j = jj[lo:hi]
-                full = _reads(first, j, exact, spec, sink, recent)
-                full &= _reads(last, j, exact, spec, sink, recent)
-                banded = (~full).nonzero().squeeze(1)
-                pieces.append((keys[:, lo:hi], values[:, lo:hi], width, j[banded], banded, exact))
-                width += hi - lo
-        if not pieces:
-            continue
-        mask = torch.ones(b - a, width, dtype=torch.bool, device=positions.device)
-        for _, _, offset, j, banded, exact in pieces:
-            if banded.numel():
-                mask[:, offset + banded] = _reads(i, j[None, :], exact, spec, sink, recent)
-        keys = torch.cat([p[0] for p in pieces], dim=-2)
-        values = torch.cat([p[1] for p in pieces], dim=-2)
-        yield a, b, keys, values, mask
+def _window_blocks(start: int, n: int, j: list[int], sink: int, recent: int):
+    """Per block of `PREFILL_BLOCK` queries at positions start + a .. start + b − 1 over the
+    exact copies at sorted positions `j`: (a, b, the keys some query of the block reads — one
+    slice, or the sinks' and the window's). Exact key j is read by queries j .. j + recent − 1,
+    or all from j for a sink."""
+    sinks = bisect_left(j, sink)
+    for a in range(0, n, PREFILL_BLOCK):
+        b = min(n, a + PREFILL_BLOCK)
+        lo, hi = bisect_right(j, start + a - recent), bisect_right(j, start + b - 1)
+        if lo <= sinks and hi:
+            yield a, b, [slice(0, hi)]
+        elif lo < hi:
+            yield a, b, [slice(0, min(sinks, hi)), slice(lo, hi)]
+        elif sinks:
+            yield a, b, [slice(0, min(sinks, hi))]
+
+
+def _take(t, spans):
+    """t's entries (dim 1) in the key spans of `_window_blocks`."""
+    return t[:, spans[0]] if len(spans) == 1 else torch.cat([t[:, s] for s in spans], dim=1)
 
 
 def context_reader(storage, layout: CacheLayout, table_row, workspace, kernel: str):
