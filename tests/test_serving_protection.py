@@ -282,6 +282,26 @@ def test_merge_states_is_the_softmax_over_the_union():
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_fused_cpu_attention_equals_the_score_matrix_causal_and_with_empty_rows():
+    """`attend` (torch's fused CPU attention, values narrower than keys zero-padded) against
+    `_attend` (the score matrix): square-causal, and masked with a row that reads nothing (out 0,
+    lse −inf, which the fused op alone leaves at lse 0)."""
+    from quantmla.serving.paged_attention import _attend, attend
+
+    g = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(3, 9, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(3, 9, 8, generator=g, dtype=torch.float64)
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    for got, want in zip(attend(q, k, v, None, 0.2, causal=True), _attend(q, k, v, causal, 0.2)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    mask = torch.rand(9, 9, generator=g) > 0.5
+    mask[4] = False
+    got, want = attend(q, k, v, mask, 0.2), _attend(q, k, v, mask, 0.2)
+    assert got[0].shape == (3, 9, 8) and torch.isneginf(got[1][:, 4]).all()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_bf16_mode_budget_must_hold_one_request_before_vllm_starts():
     """Without protection (BF16 mode) the budget still needs one max_model_len-token request's
     pages — checked in the user's process, whatever max_num_seqs is (issue #42's bad input)."""
