@@ -1,17 +1,24 @@
-// quantmla::dequantize_pages — packed pages → float32 rows [ĉ | k̂_R], on a CPU.
+// quantmla::dequantize_pages — packed pages → float32 rows [ĉ | k̂_R], on a CPU; and
+// quantmla::quantize_pages — token rows → their codes, scales and zeros at (page, slot): the writer.
 //
-// The torch reference is `cpu.dequantize_pages_torch` (same arithmetic: (code − z) · s in float32,
+// The torch reference of the first is `cpu.dequantize_pages_torch` (same arithmetic: (code − z) · s in float32,
 // so the two agree bit for bit). One pass over the packed bytes, a token per iteration, tokens
 // spread over threads; 1- and 2-bit codes are unpacked a byte at a time from a table of each
 // byte's code values and then scaled in a loop the compiler vectorizes (twice as fast as shifts
 // for 2-bit), 4- and 8-bit directly, 3- and 6-bit a three-byte word at a time. Rows that `keep`
 // marks false are written as zeros without reading their bytes (stale pages, unfinished rows).
+// The writer's reference is `writer.write_torch` (`quantmla.quant.quantize`, then `pack`): float32
+// group range with 0 inside, s = max((hi − lo) / m, 1e-8), z = round(−lo / s) with the unrounded s,
+// s and z rounded to the metadata dtype, codes clamp(round(x / s) + z, 0, m), round half to even —
+// the same IEEE operations in the same order, so the bytes are identical for finite input.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -141,12 +148,96 @@ at::Tensor dequantize_pages(const at::Tensor& storage, const at::Tensor& pages, 
   return out;
 }
 
+inline float meta_round(float v, int64_t meta) {  // the metadata dtype's value of v (RNE)
+  if (meta == 4) return v;
+  return meta == 2 ? static_cast<float>(c10::BFloat16(v)) : static_cast<float>(c10::Half(v));
+}
+
+inline void store_meta(uint8_t* at, float v, int64_t meta) {
+  if (meta == 4) {
+    std::memcpy(at, &v, 4);
+    return;
+  }
+  const uint16_t bits = meta == 2 ? c10::BFloat16(v).x : c10::Half(v).x;
+  std::memcpy(at, &bits, 2);
+}
+
+void quantize_token(const float* x, uint8_t* page, int64_t t, const PathInfo& p) {
+  const int64_t groups = p.dim / p.group, levels = (int64_t(1) << p.bits) - 1;
+  const int64_t word_bytes = (p.bits == 3 || p.bits == 6) ? 3 : 1;
+  const int64_t per_word = word_bytes * 8 / p.bits, group_bytes = p.group * p.bits / 8;
+  uint8_t* codes = page + p.codes + t * (p.dim * p.bits / 8);
+  uint8_t* scales = page + p.scales + t * groups * p.meta_bytes();
+  uint8_t* zeros = page + p.zeros + t * groups;
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* xg = x + g * p.group;
+    float lo = 0.0f, hi = 0.0f;
+    for (int64_t i = 0; i < p.group; ++i) {
+      lo = std::min(lo, xg[i]);
+      hi = std::max(hi, xg[i]);
+    }
+    const float scale = std::max((hi - lo) / static_cast<float>(levels), 1e-8f);
+    const float zero = meta_round(std::nearbyint(-lo / scale), p.meta);
+    const float s = meta_round(scale, p.meta);
+    store_meta(scales + g * p.meta_bytes(), s, p.meta);
+    zeros[g] = static_cast<uint8_t>(zero);
+    uint8_t* c = codes + g * group_bytes;
+    for (int64_t w = 0; w < group_bytes / word_bytes; ++w) {
+      uint32_t word = 0;
+      for (int64_t m = 0; m < per_word; ++m) {
+        const float q = std::nearbyint(xg[w * per_word + m] / s) + zero;
+        // NaN (x / s with s = 0: a floored scale under float16's range) is code 0, as torch casts it
+        const float code = q != q ? 0.0f : std::min(std::max(q, 0.0f), static_cast<float>(levels));
+        word |= static_cast<uint32_t>(code) << (m * p.bits);
+      }
+      for (int64_t b = 0; b < word_bytes; ++b) c[w * word_bytes + b] = (word >> (8 * b)) & 0xFF;
+    }
+  }
+}
+
+void quantize_pages(at::Tensor& storage, const at::Tensor& pages, const at::Tensor& slots,
+                    const at::Tensor& content_rows, const at::Tensor& rope_rows, int64_t page_tokens,
+                    at::IntArrayRef content, at::IntArrayRef rope) {
+  TORCH_CHECK(storage.device().is_cpu() && storage.scalar_type() == at::kByte && storage.dim() == 2 &&
+                  storage.is_contiguous(),
+              "storage: contiguous uint8 (pages, page bytes) on the CPU");
+  const int64_t n = pages.numel();
+  TORCH_CHECK(pages.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
+                  slots.numel() == n && pages.is_contiguous() && slots.is_contiguous(),
+              "pages, slots: contiguous int64 (n,)");
+  const PathInfo paths[2] = {path_info(content), path_info(rope)};
+  const at::Tensor* rows[2] = {&content_rows, &rope_rows};
+  for (int k = 0; k < 2; ++k)
+    TORCH_CHECK(rows[k]->scalar_type() == at::kFloat && rows[k]->is_contiguous() &&
+                    rows[k]->dim() == 2 && rows[k]->size(0) == n && rows[k]->size(1) == paths[k].dim,
+                "rows: contiguous float32 (n, dim) per path");
+  const int64_t* page = pages.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t page_bytes = storage.size(1), stored = storage.size(0);
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(page[i] >= 0 && page[i] < stored && slot[i] >= 0 && slot[i] < page_tokens,
+                "token ", i, ": (page ", page[i], ", slot ", slot[i], ") outside the storage");
+  uint8_t* base = storage.data_ptr<uint8_t>();
+  const float* x[2] = {content_rows.data_ptr<float>(), rope_rows.data_ptr<float>()};
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int k = 0; k < 2; ++k)
+        quantize_token(x[k] + i * paths[k].dim, base + page[i] * page_bytes, slot[i], paths[k]);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(quantmla, m) {
   m.def(
       "dequantize_pages(Tensor storage, Tensor pages, Tensor keep, int page_tokens, int[] content, "
       "int[] rope) -> Tensor");
+  m.def(
+      "quantize_pages(Tensor(a!) storage, Tensor pages, Tensor slots, Tensor content_rows, "
+      "Tensor rope_rows, int page_tokens, int[] content, int[] rope) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(quantmla, CPU, m) { m.impl("dequantize_pages", &dequantize_pages); }
+TORCH_LIBRARY_IMPL(quantmla, CPU, m) {
+  m.impl("dequantize_pages", &dequantize_pages);
+  m.impl("quantize_pages", &quantize_pages);
+}

@@ -1,7 +1,8 @@
-"""The C++ CPU op beside the torch path (`dequant.cpp`: packed pages → float32 rows), built on
-first use by torch's cpp_extension (a C++ compiler and ninja; cached under torch's extensions
-folder). Where it cannot be built, or `QUANTMLA_NATIVE=0`, `native_dequantize` is None and the
-callers keep the torch path (`cpu.dequantize_pages_torch`), after one printed line."""
+"""The C++ CPU ops beside the torch path (`dequant.cpp`: packed pages → float32 rows, and the
+writer: rows → packed bytes at (page, slot)), built on first use by torch's cpp_extension (a C++
+compiler and ninja; cached under torch's extensions folder). Where they cannot be built, or
+`QUANTMLA_NATIVE=0`, `available()` is False and the callers keep the torch path
+(`cpu.dequantize_pages_torch`, `writer.write_torch`), after one printed line."""
 
 from __future__ import annotations
 
@@ -63,4 +64,15 @@ def native_dequantize(storage, layout: CacheLayout, pages, keep=None) -> torch.T
     return _ops().dequantize_pages(
         storage, pages.reshape(-1).to(torch.int64), keep.reshape(-1).contiguous(),
         layout.page_tokens, content, rope,
+    )  # fmt: skip
+
+
+def native_write(storage, layout: CacheLayout, pages, slots, c, k_r) -> None:
+    """`writer.write_torch` by the C++ op: rows c (n, d_c), k_r (n, d_r) quantized and packed into
+    (page, slot) of `storage` (n_pages, page_bytes) uint8. Requires `available()`."""
+    content, rope = path_constants(layout)
+    _ops().quantize_pages(
+        storage, pages.reshape(-1).to(torch.int64).contiguous(),
+        slots.reshape(-1).to(torch.int64).contiguous(), c.float().contiguous(),
+        k_r.float().contiguous(), layout.page_tokens, content, rope,
     )  # fmt: skip

@@ -39,9 +39,12 @@ def warm_up(kernel: str, device: torch.device | str) -> None:
 
 def write(storage, layout: CacheLayout, pages, slots, c, k_r, kernel: str = "auto") -> None:
     """Pack token rows `c` (n, d_c), `k_r` (n, d_r) into (page, slot) of `storage` (n_pages,
-    page_bytes) uint8: a pool's, or an engine's block tensor viewed as pages."""
+    page_bytes) uint8: a pool's, or an engine's block tensor viewed as pages. On a CPU the C++
+    writer where it builds (the same bytes as the torch writer), else the torch writer."""
     if resolve(kernel, storage.device) == "triton":
         write_triton(storage, layout, pages, slots, c, k_r)
+    elif storage.device.type == "cpu" and native.available():
+        native.native_write(storage, layout, pages, slots, c, k_r)
     else:
         write_torch(storage, layout, pages, slots, c, k_r)
 
