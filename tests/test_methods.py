@@ -212,8 +212,9 @@ def test_calibration_batches_are_the_shuffled_loaders():
 
 
 def test_a_stopped_calibration_resumes_where_it_stopped(ctx, tmp_path, monkeypatch):
-    """A fit stopped after a saved selection resumes from it: the same selections, history and
-    final transforms as an uninterrupted fit; the saved state is gone once it finishes."""
+    """A fit stopped after a saved selection resumes from it, without the α search again: the
+    same selections, history, final transforms and search report as an uninterrupted fit; the
+    saved state is gone once it finishes."""
     from quantmla.methods.quantmla_method import quantmla
 
     cal = CalibrationConfig(steps=6, select_every=2, batch_size=2, alphas=[0.0])
@@ -236,8 +237,14 @@ def test_a_stopped_calibration_resumes_where_it_stopped(ctx, tmp_path, monkeypat
         quantmla(job(resume))
     assert resume.is_file()
     monkeypatch.setattr(QuantMLACalibration, "on_train_batch_end", stop_at)
+
+    def searched_again(*args, **kwargs):
+        raise AssertionError("a resumed fit searched for its start again")
+
+    monkeypatch.setattr("quantmla.methods.quantmla_method.alpha_search", searched_again)
     resumed = quantmla(job(resume))
     assert resumed.report["resumed_at_step"] == 2 and not resume.exists()
+    assert resumed.report["init"] == whole.report["init"]  # the search's report, from the state
     assert resumed.report["history"] == whole.report["history"]
     assert resumed.report["best_step"] == whole.report["best_step"]
     for a, b in zip(resumed.layers, whole.layers):

@@ -73,9 +73,11 @@ class QuantMLACalibration(L.LightningModule):
         init: list[LayerTransforms],
         spec: QuantizerSpec | list[QuantizerSpec],  # one per layer: each trained at its own bits
         calibration: CalibrationConfig,
+        init_report: dict | None = None,  # how `init` was found (saved with the fit's state)
     ):
         super().__init__()
         self.ctx, self.spec, self.cal = ctx, spec, calibration
+        self.init_report = init_report
         self.layers = nn.ModuleList(
             LayerParameters(t, m.kv_lora_rank, m.qk_rope_head_dim)
             for t, m in zip(init, ctx.modules)
@@ -157,7 +159,8 @@ class QuantMLACalibration(L.LightningModule):
         if not self.history or self.history[-1]["step"] != self.global_step:  # not on a resume
             self.select()
 
-    # -- a stopped fit resumes: the selection state travels in the checkpoint (tensors only) ---
+    # -- a stopped fit resumes: the selection state and the α search's report travel in the
+    # checkpoint (tensors and plain values only) ---
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         def plain(entry):
             value, t, step = entry
@@ -169,6 +172,7 @@ class QuantMLACalibration(L.LightningModule):
         checkpoint["quantmla"] = {
             "best": [{path: plain(b[path]) for path in b} for b in self.best],
             "history": self.history,
+            "init": self.init_report,  # a resumed fit need not search for its start again
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:

@@ -1,7 +1,8 @@
 """QuantMLA (docs/method.md §4): α-searched initial scales (the configured α list; conf/method/quantmla.yaml
 includes α = 0, ties → smaller α), then one Lightning fit of every layer's content and RoPE
 transforms, best held-out checkpoint per layer and path. With `job.resume_path` the fit saves its
-state at every selection and a stopped fit resumes there, on the same batches (`step_batches`)."""
+state at every selection and a stopped fit resumes there, on the same batches (`step_batches`),
+without searching α again (the search's report is saved with the state)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 from quantmla.calibration.module import QuantMLACalibration
 from quantmla.methods.base import MethodJob, MethodResult
 from quantmla.methods.smoothquant import alpha_search
+from quantmla.transforms import LayerTransforms
 
 
 def step_batches(indices: torch.Tensor, batch_size: int, steps: int, seed: int) -> list:
@@ -63,14 +65,20 @@ class _SaveAtSelection(L.Callback):
 def quantmla(job: MethodJob) -> MethodResult:
     ctx, cal = job.context, job.calibration
     started = time.time()
-    init, init_report = alpha_search(ctx, job.spec, cal.alphas, cal.batch_size)
+    resume = job.resume_path if job.resume_path and job.resume_path.is_file() else None
+    saved = torch.load(resume, weights_only=True) if resume else None
+    init_report = saved["quantmla"].get("init") if saved else None
+    if init_report is None:
+        init, init_report = alpha_search(ctx, job.spec, cal.alphas, cal.batch_size)
+    else:  # a resumed fit's parameters come from its state; the α search's outcome from its report
+        init = [LayerTransforms() for _ in ctx.modules]
     searched = time.time()
     L.seed_everything(job.seed, verbose=False)
     for p in ctx.model.parameters():
         p.requires_grad_(False)
-    module = QuantMLACalibration(ctx, init, job.spec, cal)
-    resume = job.resume_path if job.resume_path and job.resume_path.is_file() else None
-    start = torch.load(resume, weights_only=True)["global_step"] if resume else 0
+    module = QuantMLACalibration(ctx, init, job.spec, cal, init_report=init_report)
+    start = saved["global_step"] if saved else 0
+    del saved
     if resume:
         print(f"[quantmla] resuming the calibration at step {start} of {cal.steps} ({resume})")
     batches = step_batches(ctx.calibration, cal.batch_size, cal.steps, job.seed)
