@@ -156,6 +156,10 @@ def prefill_attention(
         k = torch.cat([k_nope, rope[:, None, :].expand(m, heads, -1).to(work)], dim=-1)
         return k.transpose(0, 1), v.transpose(0, 1)  # (H, m, ·)
 
+    def expand_all(parts):  # one expansion of every (latent, rope, …) part, in order
+        return expand(torch.cat([p[0].to(c.dtype) for p in parts]),
+                      torch.cat([p[1].to(work) for p in parts]))  # fmt: skip
+
     qh = q.transpose(0, 1).to(work)
     parts = []  # (first query, out, lse) of each attention pass
     run = []  # (latent, rope) of the causal run, in position order
@@ -191,13 +195,11 @@ def prefill_attention(
             run.append((qdq_content(spec, c[lo:hi]), qdq_rope(spec, k_r[lo:hi])))
             run_start = start + lo if run_start is None else run_start
     if run:
-        keys, values = expand(torch.cat([p[0].to(c.dtype) for p in run]),
-                              torch.cat([p[1].to(work) for p in run]))  # fmt: skip
+        keys, values = expand_all(run)
         first = run_start + (recent if quantized else 0) - start  # the query reading key 0
         parts.append((first, *attend(qh[:, first:], keys, values, None, scaling, causal=True)))
     if window:
-        keys, values = expand(torch.cat([p[0].to(c.dtype) for p in window]),
-                              torch.cat([p[1].to(work) for p in window]))  # fmt: skip
+        keys, values = expand_all(window)
         j = torch.cat([p[2].to(q.device) for p in window])
         out = torch.zeros(heads, n, d_v, dtype=work, device=q.device)
         lse = torch.full((heads, n), float("-inf"), dtype=work, device=q.device)
