@@ -284,7 +284,7 @@ def test_merge_states_is_the_softmax_over_the_union():
 
 def test_fused_cpu_attention_equals_the_score_matrix_causal_and_with_empty_rows():
     """`attend` (torch's fused CPU attention, values narrower than keys zero-padded) against
-    `_attend` (the score matrix): square-causal, and masked with a row that reads nothing (out 0,
+    `_attend` (the score matrix): causal (square, and more queries than keys), and masked with a row that reads nothing (out 0,
     lse −inf, which the fused op alone leaves at lse 0)."""
     from quantmla.serving.paged_attention import _attend, attend
 
@@ -294,12 +294,38 @@ def test_fused_cpu_attention_equals_the_score_matrix_causal_and_with_empty_rows(
     causal = torch.ones(9, 9, dtype=torch.bool).tril()
     for got, want in zip(attend(q, k, v, None, 0.2, causal=True), _attend(q, k, v, causal, 0.2)):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    short = attend(q, k[:, :5], v[:, :5], None, 0.2, causal=True)  # top-left: row r reads 0 .. r
+    for got, want in zip(short, _attend(q, k[:, :5], v[:, :5], causal[:, :5], 0.2)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     mask = torch.rand(9, 9, generator=g) > 0.5
     mask[4] = False
     got, want = attend(q, k, v, mask, 0.2), _attend(q, k, v, mask, 0.2)
     assert got[0].shape == (3, 9, 8) and torch.isneginf(got[1][:, 4]).all()
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("n", "start", "base", "recent", "block", "scores"),
+    [(200, 300, 150, 128, 64, 1 << 24), (200, 0, 0, 128, 64, 1 << 24), (37, 40, 4, 16, 8, 200),
+     (130, 500, 373, 128, 32, 5000), (5, 9, 9, 1, 64, 1 << 24)],
+)  # fmt: skip
+def test_band_equals_the_masked_score_matrix(monkeypatch, n, start, base, recent, block, scores):
+    """`_band` (blocks of queries over strided key windows, edge blocks padded, score matrices
+    split by `BAND_SCORES`) against the float64 score matrix under 0 ≤ i − j < recent."""
+    import quantmla.serving.paged_attention as pa
+
+    monkeypatch.setattr(pa, "BAND_BLOCK", block)
+    monkeypatch.setattr(pa, "BAND_SCORES", scores)
+    g = torch.Generator().manual_seed(2)
+    m = start + n - base
+    q = torch.randn(3, n, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(m, 3, 16, generator=g, dtype=torch.float64).transpose(0, 1)
+    v = torch.randn(m, 3, 8, generator=g, dtype=torch.float64).transpose(0, 1)
+    lag = (start + torch.arange(n))[:, None] - (base + torch.arange(m))[None]
+    want = pa._attend(q, k, v, (lag >= 0) & (lag < recent), 0.3)
+    for got, expected in zip(pa._band(q, k, v, base, start, recent, 0.3), want):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_bf16_mode_budget_must_hold_one_request_before_vllm_starts():

@@ -5,16 +5,16 @@ Prefill attends as the simulator does (docs/simulator.md): query i reads token j
 j < sink or i − j < recent, the dequantized copy otherwise. A prefill chunk (vLLM's chunked
 prefill: any chunk size, any boundary) attends over its own tokens (both copies expanded through
 `kv_b_proj`), the context's BF16 protection rows and the context's dequantized pages, read in
-workspace-sized chunks: the context every query of the chunk reads without a mask, the rest in
-blocks of queries gathering only the keys one of them reads, under the rule's mask, LSE-merged
-(`merge_states`), by torch's fused CPU attention on a CPU. Decode reads packed pages and the request's
-protection rows through the cache's ops (`quantmla_kernels.paged_cache.ops`: Triton on CUDA, the
+workspace-sized chunks: the context every query of the chunk reads without a mask, the
+dequantized copies read under the causal rule shifted by `recent`, the exact copies as the sinks
+and a band, LSE-merged (`merge_states`), by torch's fused CPU attention on a CPU. Decode reads
+packed pages and the request's protection rows through the cache's ops (`quantmla_kernels.paged_cache.ops`: Triton on CUDA, the
 CPU path elsewhere); both return the softmax-weighted latent, to which the engine applies W_UV.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,9 +25,10 @@ from quantmla.memory import CacheLayout
 from quantmla.quant import qdq_content, qdq_rope
 from quantmla_kernels.paged_cache import ops
 
-# queries per block of the quantized prefill's window of exact copies: a block reads its own
-# tokens' and the `recent` before them
-PREFILL_BLOCK = 128
+# queries per block of the quantized prefill's band of exact copies (a block's score matrix reads
+# its own keys and the `recent` − 1 before them), and the most scores held at once
+BAND_BLOCK = 64
+BAND_SCORES = 1 << 24
 
 
 def page_storage(kv_cache: torch.Tensor, layout: CacheLayout) -> torch.Tensor:
@@ -105,9 +106,9 @@ def attend(qh, keys, values, mask, scaling, causal: bool = False):
     wants one head width, so the narrower of keys and values is zero-padded — zeros change no
     score and add only zero columns) and by `_attend` elsewhere."""
     if qh.device.type != "cpu":
-        if causal:
-            m = keys.shape[-2]
-            mask = torch.ones(m, m, dtype=torch.bool, device=qh.device).tril()
+        if causal:  # top-left: query r reads keys 0 .. r
+            shape = (qh.shape[-2], keys.shape[-2])
+            mask = torch.ones(shape, dtype=torch.bool, device=qh.device).tril()
         return _attend(qh, keys, values, mask, scaling)
     width, d_v = max(keys.shape[-1], values.shape[-1]), values.shape[-1]
 
@@ -141,9 +142,9 @@ def prefill_attention(
       mode: the new tokens themselves; quantized: the dequantized copies of positions t₀ − recent
       + 1 .. t₀ + n − 1 − recent ≥ sink, the context's and the chunk's), contiguous, so query
       p₀ + recent + r reads its first r + 1 keys: square causal attention;
-    - quantized, the *window*: the exact copies (the context's protection rows, the new tokens)
-      under the rule's mask (sinks, and i − j < recent), in blocks of queries each reading its
-      own positions and the `recent` before them (`_window_blocks`)."""
+    - quantized, the *window*: the exact copies (the context's protection rows, the new tokens):
+      the sinks in one pass, the band i − j < recent in one batched score matrix per head
+      (`_window_passes`, `_band`)."""
     n, heads = q.shape[0], q.shape[1]
     start = context.tokens if context is not None else 0
     work = torch.promote_types(q.dtype, torch.float32)
@@ -200,16 +201,8 @@ def prefill_attention(
         parts.append((first, *attend(qh[:, first:], keys, values, None, scaling, causal=True)))
     if window:
         keys, values = expand_all(window)
-        j = torch.cat([p[2].to(q.device) for p in window])
-        out = torch.zeros(heads, n, d_v, dtype=work, device=q.device)
-        lse = torch.full((heads, n), float("-inf"), dtype=work, device=q.device)
-        for a, b, spans in _window_blocks(start, n, j.tolist(), sink, recent):
-            mask = _reads(start + torch.arange(a, b, device=q.device)[:, None],
-                          _take(j[None], spans), True, quantized, sink, recent)  # fmt: skip
-            out[:, a:b], lse[:, a:b] = attend(
-                qh[:, a:b], _take(keys, spans), _take(values, spans), mask, scaling
-            )
-        parts.append((0, out, lse))
+        j = torch.cat([p[2] for p in window]).tolist()
+        parts += _window_passes(qh, keys, values, j, start, sink, recent, scaling)
     out = torch.zeros(heads, n, d_v, dtype=work, device=q.device)
     lse = torch.full((heads, n), float("-inf"), dtype=work, device=q.device)
     for a, part, part_lse in parts:
@@ -218,35 +211,94 @@ def prefill_attention(
     return out.transpose(0, 1).reshape(n, heads * d_v)
 
 
-def _reads(i, j, exact, quantized: bool, sink: int, recent: int):
-    """Whether query position(s) i read key position(s) j in the copy `exact` (the rule;
-    broadcasts)."""
-    mask = j <= i
-    if quantized:
-        mask = mask & (((j < sink) | (i - j < recent)) == exact)
-    return mask
-
-
-def _window_blocks(start: int, n: int, j: list[int], sink: int, recent: int):
-    """Per block of `PREFILL_BLOCK` queries at positions start + a .. start + b − 1 over the
-    exact copies at sorted positions `j`: (a, b, the keys some query of the block reads — one
-    slice, or the sinks' and the window's). Exact key j is read by queries j .. j + recent − 1,
-    or all from j for a sink."""
+def _window_passes(qh, keys, values, j: list[int], start: int, sink: int, recent: int, scaling):
+    """(first query, out, lse) of the passes of the chunk's queries (positions start ..) over the
+    exact copies at sorted positions `j`: the sinks, read by every query at or after them, and the
+    band 0 ≤ i − j < recent over the rest (contiguous positions; `_band`)."""
+    n, parts = qh.shape[1], []
     sinks = bisect_left(j, sink)
-    for a in range(0, n, PREFILL_BLOCK):
-        b = min(n, a + PREFILL_BLOCK)
-        lo, hi = bisect_right(j, start + a - recent), bisect_right(j, start + b - 1)
-        if lo <= sinks and hi:
-            yield a, b, [slice(0, hi)]
-        elif lo < hi:
-            yield a, b, [slice(0, min(sinks, hi)), slice(lo, hi)]
-        elif sinks:
-            yield a, b, [slice(0, min(sinks, hi))]
+    if sinks:
+        first = max(0, j[sinks - 1] - start)  # the first query reading every sink
+        if first > 0:  # a first chunk: its queries before the last sink, under the rule's mask
+            i = start + torch.arange(first, device=qh.device)[:, None]
+            mask = torch.tensor(j[:sinks], device=qh.device)[None] <= i
+            parts.append(
+                (0, *attend(qh[:, :first], keys[:, :sinks], values[:, :sinks], mask, scaling))
+            )
+        if first < n:
+            parts.append(
+                (first, *attend(qh[:, first:], keys[:, :sinks], values[:, :sinks], None, scaling))
+            )
+    if recent and sinks < len(j):
+        if j[-1] - j[sinks] != len(j) - 1 - sinks:
+            raise RuntimeError("the exact copies past the sinks are not contiguous positions")
+        parts.append(
+            (0, *_band(qh, keys[:, sinks:], values[:, sinks:], j[sinks], start, recent, scaling))
+        )
+    return parts
 
 
-def _take(t, spans):
-    """t's entries (dim 1) in the key spans of `_window_blocks`."""
-    return t[:, spans[0]] if len(spans) == 1 else torch.cat([t[:, s] for s in spans], dim=1)
+def _band(qh, keys, values, base: int, start: int, recent: int, scaling):
+    """(out, lse) of queries at positions start + r over keys at contiguous positions base + t
+    (the last one start + n − 1) where 0 ≤ i − j < recent: queries in blocks of B = `BAND_BLOCK`,
+    block b against the B + recent − 1 keys up to its last query — per head, batched over blocks,
+    as overlapping strided windows of the position-major keys (a zero-padded copy only for the
+    blocks at the edges), under one relative band mask (−inf where no key is held)."""
+    heads, n, width = qh.shape
+    block = min(BAND_BLOCK, recent)
+    blocks, span = -(-n // block), block + recent - 1
+    first = start - recent + 1  # the position of padded row 0 (block b's window: rows bB ..)
+    skip, front = max(0, first - base), max(0, base - first)
+    keys, values = (t.transpose(0, 1)[skip:].contiguous() for t in (keys, values))  # (rows, H, ·)
+    held = keys.shape[0]  # real rows: padded rows front .. front + held − 1
+
+    def rows(t, lo, hi):  # padded rows [lo, hi) of t: a view inside, else a zero-padded copy
+        if front <= lo and hi <= front + held:
+            return t[lo - front : hi - front]
+        out = t.new_zeros(hi - lo, *t.shape[1:])
+        a, b = max(lo, front), min(hi, front + held)
+        out[a - lo : b - lo] = t[a - front : b - front]
+        return out
+
+    def windows(t, h, count):  # (count, span, ·): the windows of `count` blocks of head h in t
+        return t.as_strided((count, span, t.shape[-1]), (block * t.stride(0), t.stride(0), 1),
+                            t.storage_offset() + h * t.stride(1))  # fmt: skip
+
+    r = torch.arange(block, device=qh.device)[:, None]
+    u = torch.arange(span, device=qh.device)[None]
+    bias = torch.zeros(block, span, dtype=qh.dtype, device=qh.device)
+    bias.masked_fill_((u < r) | (u >= r + recent), float("-inf"))  # key u of a block's row r
+    out = torch.empty(heads, blocks * block, values.shape[-1], dtype=qh.dtype, device=qh.device)
+    lse = torch.empty(heads, blocks * block, dtype=qh.dtype, device=qh.device)
+    inner = (-(-front // block), max(0, (front + held - span) // block + 1))  # view-only blocks
+    step = max(1, BAND_SCORES // (block * span))  # blocks per score matrix
+    edges = sorted({0, blocks, *(min(max(e, 0), blocks) for e in inner)})
+    groups = [(a, min(b, a + step)) for lo, b in zip(edges, edges[1:]) for a in range(lo, b, step)]
+    for a, b in groups:
+        k, v = (rows(t, a * block, (b - 1) * block + span) for t in (keys, values))
+        bias_ab = bias
+        if a * block < front:  # rows before base hold no key
+            missing = (
+                a * block + block * torch.arange(b - a, device=qh.device)[:, None, None] + u
+            ) < front
+            bias_ab = bias.masked_fill(missing, float("-inf"))
+        for h in range(heads):
+            queries = qh[h, a * block : b * block]
+            if queries.shape[0] < (b - a) * block:
+                queries = F.pad(queries, (0, 0, 0, (b - a) * block - queries.shape[0]))
+            queries = queries.reshape(b - a, block, width)
+            scores = torch.baddbmm(
+                bias_ab, queries, windows(k, h, b - a).transpose(1, 2), alpha=scaling
+            )
+            top = scores.amax(dim=-1, keepdim=True)
+            top = torch.where(torch.isfinite(top), top, 0.0)
+            p = scores.sub_(top).exp_()
+            total = p.sum(dim=-1)
+            o = out[h, a * block : b * block].view(b - a, block, -1)
+            torch.bmm(p, windows(v, h, b - a), out=o)
+            o.div_(torch.where(total > 0, total, 1.0)[..., None])
+            lse[h, a * block : b * block] = (total.log() + top[..., 0]).view(-1)
+    return out[:, :n], lse[:, :n]
 
 
 def context_reader(storage, layout: CacheLayout, table_row, workspace, kernel: str):
