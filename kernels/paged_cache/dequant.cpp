@@ -9,8 +9,9 @@
 // marks false are written as zeros without reading their bytes (stale pages, unfinished rows).
 // The writer's reference is `writer.write_torch` (`quantmla.quant.quantize`, then `pack`): float32
 // group range with 0 inside, s = max((hi − lo) / m, 1e-8), z = round(−lo / s) with the unrounded s,
-// s and z rounded to the metadata dtype, codes clamp(round(x / s) + z, 0, m), round half to even —
-// the same IEEE operations in the same order, so the bytes are identical for finite input.
+// s and z rounded to the metadata dtype, codes clamp(round(x / s) + z, 0, m), round half to even
+// (by the 1.5 · 2^23 add, exact where it matters) — the same IEEE operations in the same order, so
+// the bytes are identical for finite input.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -162,6 +163,15 @@ inline void store_meta(uint8_t* at, float v, int64_t meta) {
   std::memcpy(at, &bits, 2);
 }
 
+// round half to even, as nearbyint in the default mode, in adds the compiler vectorizes: exact
+// for |v| < 2^22; beyond, the result stays beyond every code range, so the clamp is unchanged
+inline float round_even(float v) {
+  constexpr float magic = 12582912.0f;  // 1.5 · 2^23
+  return (v + magic) - magic;
+}
+
+constexpr int64_t kMaxGroup = 1024;
+
 void quantize_token(const float* x, uint8_t* page, int64_t t, const PathInfo& p) {
   const int64_t groups = p.dim / p.group, levels = (int64_t(1) << p.bits) - 1;
   const int64_t word_bytes = (p.bits == 3 || p.bits == 6) ? 3 : 1;
@@ -169,6 +179,8 @@ void quantize_token(const float* x, uint8_t* page, int64_t t, const PathInfo& p)
   uint8_t* codes = page + p.codes + t * (p.dim * p.bits / 8);
   uint8_t* scales = page + p.scales + t * groups * p.meta_bytes();
   uint8_t* zeros = page + p.zeros + t * groups;
+  uint8_t code[kMaxGroup];
+  const float top = static_cast<float>(levels);
   for (int64_t g = 0; g < groups; ++g) {
     const float* xg = x + g * p.group;
     float lo = 0.0f, hi = 0.0f;
@@ -176,21 +188,27 @@ void quantize_token(const float* x, uint8_t* page, int64_t t, const PathInfo& p)
       lo = std::min(lo, xg[i]);
       hi = std::max(hi, xg[i]);
     }
-    const float scale = std::max((hi - lo) / static_cast<float>(levels), 1e-8f);
+    const float scale = std::max((hi - lo) / top, 1e-8f);
     const float zero = meta_round(std::nearbyint(-lo / scale), p.meta);
     const float s = meta_round(scale, p.meta);
     store_meta(scales + g * p.meta_bytes(), s, p.meta);
     zeros[g] = static_cast<uint8_t>(zero);
+    for (int64_t i = 0; i < p.group; ++i) {  // vectorized
+      const float q = round_even(xg[i] / s) + zero;
+      // NaN (x / s with s = 0: a floored scale under float16's range) is code 0, as torch casts it
+      code[i] = static_cast<uint8_t>(q != q ? 0.0f : std::min(std::max(q, 0.0f), top));
+    }
     uint8_t* c = codes + g * group_bytes;
-    for (int64_t w = 0; w < group_bytes / word_bytes; ++w) {
-      uint32_t word = 0;
-      for (int64_t m = 0; m < per_word; ++m) {
-        const float q = std::nearbyint(xg[w * per_word + m] / s) + zero;
-        // NaN (x / s with s = 0: a floored scale under float16's range) is code 0, as torch casts it
-        const float code = q != q ? 0.0f : std::min(std::max(q, 0.0f), static_cast<float>(levels));
-        word |= static_cast<uint32_t>(code) << (m * p.bits);
+    if (p.bits == 8) {
+      std::memcpy(c, code, p.group);
+    } else if (p.bits == 4) {
+      for (int64_t i = 0; i < group_bytes; ++i) c[i] = code[2 * i] | (code[2 * i + 1] << 4);
+    } else {
+      for (int64_t w = 0; w < group_bytes / word_bytes; ++w) {
+        uint32_t word = 0;
+        for (int64_t m = 0; m < per_word; ++m) word |= uint32_t(code[w * per_word + m]) << (m * p.bits);
+        for (int64_t b = 0; b < word_bytes; ++b) c[w * word_bytes + b] = (word >> (8 * b)) & 0xFF;
       }
-      for (int64_t b = 0; b < word_bytes; ++b) c[w * word_bytes + b] = (word >> (8 * b)) & 0xFF;
     }
   }
 }
@@ -206,6 +224,7 @@ void quantize_pages(at::Tensor& storage, const at::Tensor& pages, const at::Tens
                   slots.numel() == n && pages.is_contiguous() && slots.is_contiguous(),
               "pages, slots: contiguous int64 (n,)");
   const PathInfo paths[2] = {path_info(content), path_info(rope)};
+  for (const auto& p : paths) TORCH_CHECK(p.group <= kMaxGroup, "groups of at most ", kMaxGroup, " values");
   const at::Tensor* rows[2] = {&content_rows, &rope_rows};
   for (int k = 0; k < 2; ++k)
     TORCH_CHECK(rows[k]->scalar_type() == at::kFloat && rows[k]->is_contiguous() &&
