@@ -58,17 +58,20 @@ class Request:
         self.workspace = torch.empty(tokens + 2 * BLOCK, D_C + D_R)  # vLLM's: ≥ the context
         self.rows = torch.empty(0, D_C + D_R, dtype=torch.bfloat16)  # exact rows, by position
 
-    def context(self, tokens: int) -> PrefillContext | None:
-        """The context as the backend builds it, read in one piece (vLLM's workspace holds it)."""
-        if tokens == 0:
-            return None
+    def context(self, tokens: int, n: int) -> PrefillContext | None:
+        """The context of an n-token chunk as the backend builds it, read in one piece (vLLM's
+        workspace holds it); packed, the pages hold the chunk too (written before attending)."""
         if not self.quantized:
+            if tokens == 0:
+                return None
             read = row_reader(self.store, self.table, D_C)
             return PrefillContext(tokens, torch.empty(0), torch.empty(0, D_C + D_R), read, tokens)
         sinks = torch.arange(min(SINK, tokens))
-        positions = torch.cat([sinks, torch.arange(max(SINK, tokens - RECENT), tokens)])
+        positions = torch.cat(
+            [sinks, torch.arange(min(tokens, max(SINK, tokens - RECENT)), tokens)]
+        )
         read = context_reader(self.store, self.layout, self.table, self.workspace, "torch")
-        return PrefillContext(tokens, positions, self.rows[positions], read, tokens)
+        return PrefillContext(tokens, positions, self.rows[positions], read, tokens + n, True)
 
     def write(self, start: int, c: torch.Tensor, k_r: torch.Tensor) -> None:
         n = c.shape[0]
@@ -89,11 +92,11 @@ def prefill(precision: str, inputs, prompt: int, chunk: int) -> None:
     request = Request(precision, prompt)
     for start in range(0, prompt, chunk):
         end = min(prompt, start + chunk)
+        request.write(start, c[start:end], k_r[start:end])  # vLLM writes a step's tokens first
         prefill_attention(
             q[start:end], c[start:end], k_r[start:end], kv_b_proj, request.spec, SINK, RECENT,
-            D_NOPE, D_V, 0.1, context=request.context(start),
+            D_NOPE, D_V, 0.1, context=request.context(start, end - start),
         )  # fmt: skip
-        request.write(start, c[start:end], k_r[start:end])
 
 
 def profile_difference(inputs, prompt: int, chunk: int, rounds: int = 3, top: int = 12) -> dict:

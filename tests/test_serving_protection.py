@@ -230,28 +230,34 @@ def test_prefill_equals_the_per_query_rule_in_float64(n, sink, recent):
         ("bf16", [48, 100, 492], 4, 128, 64),  # BF16 mode: the context is its own rows
     ],
 )
-def test_chunked_prefill_equals_the_whole_prompt_rule(precision, chunks, sink, recent, workspace):
+@pytest.mark.parametrize("written", [False, True])
+def test_chunked_prefill_equals_the_whole_prompt_rule(
+    precision, chunks, sink, recent, workspace, written
+):
     """Chunked prefill: each chunk over its own tokens + the context's protection rows (the sinks
     and the last `recent` before it) + its dequantized pages read `workspace` tokens at a time,
-    LSE-merged — equals the per-query rule over the whole prompt in float64."""
+    LSE-merged — equals the per-query rule over the whole prompt in float64; `written`: the
+    chunk's dequantized copies come from the cache reader, as in an engine that wrote them first."""
     from quantmla.serving.paged_attention import PrefillContext, prefill_attention
 
     n = sum(chunks)
     q, c, k_r, w, d_nope, d_v = _random_prefill(n, n + len(chunks))
     spec = QuantizerSpec.from_precision(precision)
     c_hat, k_hat = (qdq_content(spec, c), qdq_rope(spec, k_r)) if spec.quantized else (c, k_r)
-    reads = []
+    reads, cached = [], [0]  # cached[0]: the positions the cache holds
 
     def read(a, b):
+        assert b <= cached[0], "read a position the cache does not hold"
         reads.append(b - a)
         return c_hat[a:b], k_hat[a:b]
 
     outs, start = [], 0
     for size in chunks:
+        cached[0] = start + size if written else start
         pos = torch.arange(start)
         held = pos[kept_in_protection(pos, start, sink, recent)]
         rows = torch.cat([c, k_r], dim=-1)[held]
-        context = PrefillContext(start, held, rows, read, workspace)
+        context = PrefillContext(start, held, rows, read, workspace, written)
         end = start + size
         outs.append(prefill_attention(
             q[start:end], c[start:end], k_r[start:end], lambda x: x @ w.T, spec, sink, recent,

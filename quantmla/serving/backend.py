@@ -239,7 +239,7 @@ class QuantMLAImpl(MLACommonImpl):
 
         for r, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
             context = None
-            if contexts[r]:
+            if contexts[r] or slots is not None:  # packed: the chunk is in the pages too
                 context = self._context(
                     contexts[r], prefill.block_table[r], kv_c_and_k_pe_cache, workspace,
                     None if slots is None else int(slots[r]),
@@ -254,7 +254,8 @@ class QuantMLAImpl(MLACommonImpl):
 
     def _context(self, tokens, table_row, kv_cache, workspace, slot) -> PrefillContext:
         """The cached tokens before a prefill chunk: protection rows + pages, read in chunks of
-        vLLM's context workspace (less two pages, for unaligned reads)."""
+        vLLM's context workspace (less two pages, for unaligned reads); packed, the pages hold the
+        chunk's own tokens too (`do_kv_cache_update` ran first)."""
         page = self.served.block_size
         limit = workspace.shape[0] if workspace is not None else CONTEXT_CHUNK
         chunk = max(page, (limit - 2 * page) // page * page)
@@ -269,7 +270,7 @@ class QuantMLAImpl(MLACommonImpl):
             self.served.kernel,
         )  # fmt: skip
         positions, rows = self.protection.held(slot)
-        return PrefillContext(tokens, positions, rows, read, chunk)
+        return PrefillContext(tokens, positions, rows, read, chunk, written=True)
 
     # -- decode ----------------------------------------------------------------------------------
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):

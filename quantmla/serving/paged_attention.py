@@ -69,13 +69,16 @@ class PrefillContext:
     """A prefill chunk's earlier tokens: `tokens` of them, the BF16 `exact` rows held for some
     (`positions`, rows (m, d_c + d_r); the protection rows), and `read(start, end)` giving the
     cache's copy of positions [start, end) — dequantized packed pages, or BF16 mode's own rows —
-    at most `chunk` tokens at a time (the bounded workspace)."""
+    at most `chunk` tokens at a time (the bounded workspace). `written`: the cache holds the
+    chunk's own tokens too (vLLM writes a step's tokens before attending), so their dequantized
+    copies are read from it, not quantized again."""
 
     tokens: int
     positions: torch.Tensor
     exact: torch.Tensor
     read: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
     chunk: int
+    written: bool = False
 
 
 def merge_states(out_a, lse_a, out_b, lse_b):
@@ -165,16 +168,19 @@ def prefill_attention(
     parts = []  # (first query, out, lse) of each attention pass
     run = []  # (latent, rope) of the causal run, in position order
     window = []  # (latent, rope, positions) of the exact copies (quantized)
-    if context is not None and context.tokens:
+    written = quantized and context is not None and context.written
+    if context is not None and (context.tokens or written):
         tokens = context.tokens
         if quantized and context.positions.numel():
             rows = context.exact
             window.append((rows[:, : c.shape[1]], rows[:, c.shape[1] :], context.positions))
         # the cache copy is read where the rule does: all of it in BF16 mode, else positions ≥
-        # sink at least `recent` before the chunk's last query; every query reads [lo, full)
+        # sink at least `recent` before the chunk's last query (the chunk's too, when written);
+        # every query reads [lo, full)
         lo, hi, full = 0, tokens, tokens
         if quantized:
-            lo, hi = min(sink, tokens), min(tokens, start + n - recent)
+            held = tokens + n if written else tokens
+            lo, hi = min(sink, held), min(held, start + n - recent)
             full = min(hi, max(lo, tokens - recent + 1))
         for a in range(lo, hi, context.chunk):
             b = min(hi, a + context.chunk)
@@ -182,7 +188,7 @@ def prefill_attention(
             if a < full:
                 keys, values = expand(latent[: full - a], rope[: full - a])
                 parts.append((0, *attend(qh, keys, values, None, scaling)))
-            if b > full:  # the context's part of the causal run
+            if b > full:  # the cache's part of the causal run
                 skip = max(0, full - a)
                 run.append((latent[skip:].clone(), rope[skip:].clone()))
     run_start = full if run else None
@@ -192,7 +198,7 @@ def prefill_attention(
     else:
         window.append((c, k_r, start + torch.arange(n, device=q.device)))
         lo, hi = min(max(0, sink - start), n), max(0, n - recent)
-        if lo < hi:  # the chunk's dequantized copies some query reads
+        if lo < hi and not written:  # the chunk's dequantized copies some query reads
             run.append((qdq_content(spec, c[lo:hi]), qdq_rope(spec, k_r[lo:hi])))
             run_start = start + lo if run_start is None else run_start
     if run:
@@ -282,6 +288,7 @@ def _band(qh, keys, values, base: int, start: int, recent: int, scaling):
                 a * block + block * torch.arange(b - a, device=qh.device)[:, None, None] + u
             ) < front
             bias_ab = bias.masked_fill(missing, float("-inf"))
+        read = torch.isfinite(bias_ab).to(qh.dtype)
         for h in range(heads):
             queries = qh[h, a * block : b * block]
             if queries.shape[0] < (b - a) * block:
@@ -292,7 +299,10 @@ def _band(qh, keys, values, base: int, start: int, recent: int, scaling):
             )
             top = scores.amax(dim=-1, keepdim=True)
             top = torch.where(torch.isfinite(top), top, 0.0)
-            p = scores.sub_(top).exp_()
+            # exp of −inf or underflowing arguments takes a slow path on a CPU (~15–40x): clamp
+            # to −80 (exp −80 ≈ 1.8e-35, a normal float; below float64's epsilon against the row
+            # maximum's 1), then zero the keys outside the band
+            p = scores.sub_(top).clamp_min_(-80.0).exp_().mul_(read)
             total = p.sum(dim=-1)
             o = out[h, a * block : b * block].view(b - a, block, -1)
             torch.bmm(p, windows(v, h, b - a), out=o)
