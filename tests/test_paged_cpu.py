@@ -1,10 +1,18 @@
-"""kernels/paged_cache/cpu.py: the vectorized CPU decode over block tables, against the float64
-reference over the same pool, and the writer on raw page storage."""
+"""kernels/paged_cache/cpu.py: the CPU decode over block tables (the C++ op's fused pass and the
+torch path), against the float64 reference over the same pool, and the writer on raw page
+storage."""
 
 import pytest
 import torch
 
-from quantmla_kernels.paged_cache.cpu import decode_packed, decode_rows, dequantize_pages
+from quantmla_kernels.paged_cache import native
+from quantmla_kernels.paged_cache.cpu import (
+    decode_packed,
+    decode_packed_torch,
+    decode_rows,
+    decode_rows_torch,
+    dequantize_pages,
+)
 from quantmla_kernels.paged_cache.ops import write as write_slots
 from quantmla_kernels.paged_cache.ops import write_tokens
 from quantmla_kernels.paged_cache.pool import PagePool, stacked_inputs
@@ -24,9 +32,16 @@ def filled_pool(lay, lengths, seed=0):
     return pool
 
 
+def _paths(fused, torch_path):
+    """The fused C++ pass (where it builds: `native.available()`) and the torch path."""
+    return [pytest.param(fused, id="fused", marks=pytest.mark.skipif(
+        not native.available(), reason="no C++ compiler")), pytest.param(torch_path, id="torch")]  # fmt: skip
+
+
+@pytest.mark.parametrize("decode", _paths(decode_packed, decode_packed_torch))
 @pytest.mark.parametrize("precision", ["c4r4", "c2r4", "c8r8", "c3r1", "c6r3"])
 @pytest.mark.parametrize("page_tokens", [16, 64])
-def test_cpu_decode_equals_the_float64_reference(precision, page_tokens):
+def test_cpu_decode_equals_the_float64_reference(precision, page_tokens, decode):
     lay = small_layout(precision, sink=4, recent=24, page_tokens=page_tokens)
     lengths = [3, 28, 29, 100, 161]  # inside the window, at its edge, past it
     pool = filled_pool(lay, lengths)
@@ -35,7 +50,7 @@ def test_cpu_decode_equals_the_float64_reference(precision, page_tokens):
     qr = torch.randn(len(lengths), 4, lay.d_r, generator=gen)
     want, want_lse = decode_reference(pool, list(range(len(lengths))), q, qr, 0.09)
     table, lens, prot = stacked_inputs(pool, list(range(len(lengths))))
-    got, lse = decode_packed(
+    got, lse = decode(
         q_lat=q, q_rope=qr, scaling=0.09, table=table, lens=lens, layout=lay,
         storage=pool.storage, prot=prot,
     )  # fmt: skip
@@ -53,21 +68,23 @@ def test_dequantized_pages_are_the_readers_values():
         assert torch.equal(c_hat[rid, :n], c) and torch.equal(k_hat[rid, :n], k)
 
 
-def test_row_pages_decode_is_exact_softmax_attention():
+@pytest.mark.parametrize("decode", _paths(decode_rows, decode_rows_torch))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_pages_decode_is_exact_softmax_attention(decode, dtype):
     gen = torch.Generator().manual_seed(2)
-    pages = torch.randn(6, 16, 192, generator=gen).to(torch.bfloat16)
-    table = torch.tensor([[4, 1, 0], [2, 5, 3]])
-    lens = torch.tensor([40, 17], dtype=torch.int32)
-    q, qr = torch.randn(2, 3, 128, generator=gen), torch.randn(2, 3, 64, generator=gen)
-    got, _ = decode_rows(
-        q_lat=q, q_rope=qr, scaling=0.1, table=table, lens=lens, pages=pages, d_c=128
-    )
+    pages = torch.randn(6, 16, 192, generator=gen).to(dtype)
+    table = torch.tensor([[4, 1, 0], [2, 5, 3], [1, 0, 0]])
+    lens = torch.tensor([40, 17, 0], dtype=torch.int32)  # a request with nothing cached
+    q, qr = torch.randn(3, 3, 128, generator=gen), torch.randn(3, 3, 64, generator=gen)
+    got, lse = decode(q_lat=q, q_rope=qr, scaling=0.1, table=table, lens=lens, pages=pages, d_c=128)
     for b in range(2):
         rows = pages[table[b]].reshape(-1, 192)[: lens[b]].double()
         s = 0.1 * (q[b].double() @ rows[:, :128].T + qr[b].double() @ rows[:, 128:].T)
         torch.testing.assert_close(
             got[b].double(), torch.softmax(s, -1) @ rows[:, :128], rtol=1e-5, atol=1e-6
         )
+        torch.testing.assert_close(lse[b].double(), torch.logsumexp(s, -1), rtol=1e-5, atol=1e-5)
+    assert torch.isneginf(lse[2]).all()  # no key: lse −inf (the output is not read)
 
 
 def test_writer_on_raw_storage_equals_the_pool_writer():

@@ -1,12 +1,14 @@
-"""Decode over block tables in vectorized PyTorch: the CPU path of an engine's packed cache.
+"""Decode over block tables on a CPU: the CPU path of an engine's packed cache.
 
 Same inputs and outputs as `decode.launch_decode` (page tables, lengths, flat page storage, the
 stacked protection rows; `o` (B, H, d_c) float32 and its log-sum-exp), so an engine calls one or
-the other by device. Each step dequantizes the batch's pages to float32 rows in one pass over
-their bytes (the C++ op of `native.py`; this module's torch path where it cannot be built) and
-runs one softmax over the packed region and the protected rows together, with the row math of
-`decode_rows` — the same attention over BF16 row pages (an engine's unquantized cache), so the two
-are timed against each other on equal terms. Tested against the float64 `reference.decode_reference`.
+the other by device. The C++ op of `native.py` runs one fused pass per request and run of pages —
+a page's rows dequantized into a small buffer, scored against every head and folded into an
+online softmax, the protection rows as one more run — and `decode_rows` is the same code over BF16
+row pages (an engine's unquantized cache: a page's rows converted instead of dequantized), so the
+two are timed against each other on equal terms. Where the op cannot be built, the torch paths
+(`*_torch`: the pages dequantized to float32 rows, one softmax) serve. Tested against the float64
+`reference.decode_reference`.
 """
 
 from __future__ import annotations
@@ -85,9 +87,32 @@ def decode_packed(
     *, q_lat, q_rope, scaling, table, lens, layout: CacheLayout, storage, prot=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o (B, H, d_c) float32, lse (B, H)) over packed pages (all but the protected tokens) and
-    the stacked protection rows `prot` (B, sink + recent, d_c + d_r): the batch's pages
-    dequantized to rows (zero outside the packed region, whose bytes may be stale), then the row
-    math of `decode_rows` with the protected rows in the same softmax."""
+    the stacked protection rows `prot` (B, sink + recent, d_c + d_r): the C++ op's fused pass
+    (each page dequantized into a small buffer and folded into an online softmax) where it is
+    built, else `decode_packed_torch`."""
+    if storage.device.type != "cpu" or not native.available():
+        return decode_packed_torch(q_lat=q_lat, q_rope=q_rope, scaling=scaling, table=table,
+                                   lens=lens, layout=layout, storage=storage, prot=prot)  # fmt: skip
+    check_packable(layout)
+    t = lens.to(torch.int64)
+    protected = layout.quantized and prot is not None
+    lo = torch.full_like(t, layout.sink) if protected else torch.zeros_like(t)
+    hi = torch.maximum(lo, t - layout.recent) if protected else t
+    q = torch.cat([q_lat.float(), q_rope.float()], dim=-1).contiguous()
+    rows, valid = torch.empty(0), torch.empty(0, dtype=torch.bool)
+    if protected:
+        _, valid = _protected_positions(lens, layout.sink, layout.recent, prot.shape[1])
+        rows, valid = prot.float().contiguous(), valid.contiguous()
+    return native.native_decode(storage, layout, table.to(torch.int64).contiguous(), lo.contiguous(),
+                                hi.contiguous(), q, rows, valid, scaling)  # fmt: skip
+
+
+def decode_packed_torch(
+    *, q_lat, q_rope, scaling, table, lens, layout: CacheLayout, storage, prot=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_packed` in torch: the batch's pages dequantized to rows (zero outside the packed
+    region, whose bytes may be stale), then the row math of `decode_rows_torch` with the
+    protected rows in the same softmax."""
     check_packable(layout)
     n_pages = max(1, math.ceil(int(lens.max()) / layout.page_tokens))
     pos = torch.arange(n_pages * layout.page_tokens, device=lens.device)[None, :]
@@ -113,8 +138,22 @@ def decode_packed(
 
 def decode_rows(*, q_lat, q_rope, scaling, table, lens, pages, d_c: int):
     """The same attention over row pages (n_pages, page, d_c + d_r) of any float dtype (every
-    token unquantized): the BF16 cache of an engine. Rows stay whole: one product for the scores
-    ([q̃ | q_R] · [c | k_R]) and one for the weighted sum (its RoPE columns dropped after)."""
+    token unquantized): the BF16 cache of an engine — the C++ op's fused pass for float32 and
+    bfloat16 rows (the same code as the packed pages', a page's rows converted instead of
+    dequantized), else `decode_rows_torch`."""
+    if (pages.device.type != "cpu" or pages.dtype not in (torch.float32, torch.bfloat16)
+            or not native.available()):  # fmt: skip
+        return decode_rows_torch(q_lat=q_lat, q_rope=q_rope, scaling=scaling, table=table,
+                                 lens=lens, pages=pages, d_c=d_c)  # fmt: skip
+    t = lens.to(torch.int64).contiguous()
+    q = torch.cat([q_lat.float(), q_rope.float()], dim=-1).contiguous()
+    return native.native_decode_rows(pages.contiguous(), table.to(torch.int64).contiguous(),
+                                     torch.zeros_like(t), t, q, scaling, d_c)  # fmt: skip
+
+
+def decode_rows_torch(*, q_lat, q_rope, scaling, table, lens, pages, d_c: int):
+    """`decode_rows` in torch. Rows stay whole: one product for the scores ([q̃ | q_R] · [c | k_R])
+    and one for the weighted sum (its RoPE columns dropped after)."""
     n_pages = max(1, math.ceil(int(lens.max()) / pages.shape[1]))
     index = table[:, :n_pages].reshape(-1).to(torch.int64)
     rows = pages.index_select(0, index).view(table.shape[0], -1, pages.shape[-1]).float()

@@ -1,5 +1,6 @@
-// quantmla::dequantize_pages — packed pages → float32 rows [ĉ | k̂_R], on a CPU; and
-// quantmla::quantize_pages — token rows → their codes, scales and zeros at (page, slot): the writer.
+// quantmla::dequantize_pages — packed pages → float32 rows [ĉ | k̂_R], on a CPU;
+// quantmla::quantize_pages — token rows → their codes, scales and zeros at (page, slot): the writer;
+// quantmla::decode_pages / decode_rows — one query token per request over its pages, fused (below).
 //
 // The torch reference of the first is `cpu.dequantize_pages_torch` (same arithmetic: (code − z) · s in float32,
 // so the two agree bit for bit). One pass over the packed bytes, a token per iteration, tokens
@@ -22,6 +23,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
+#include <vector>
 
 namespace {
 
@@ -245,6 +248,239 @@ void quantize_pages(at::Tensor& storage, const at::Tensor& pages, const at::Tens
   });
 }
 
+
+// ---- decode: one query token per request over its pages, fused (no float32 rows in memory) ----
+// Each task is one request's run of positions (or its protection rows): a page's rows are loaded
+// (dequantized, or BF16 rows converted) into a small buffer, scored against every head's query,
+// and folded into that head's running max / sum / weighted latent (online softmax, once per
+// page); the tasks' partial states are merged per (request, head) at the end. Reference:
+// `cpu.decode_packed` / `cpu.decode_rows` (float64 in the tests).
+
+constexpr int64_t kSplit = 256;  // positions per task
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float lanes[16] = {0.0f};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) lanes[j] += a[i + j] * b[i + j];  // vectorized across lanes
+  float sum = 0.0f;
+  for (; i < n; ++i) sum += a[i] * b[i];
+  for (int j = 0; j < 16; ++j) sum += lanes[j];
+  return sum;
+}
+
+struct Task {
+  int64_t b, lo, hi;  // positions [lo, hi) of request b; lo < 0: its protection rows
+};
+
+// one task's partial state: per head, max, sum and the unnormalized weighted latent
+struct State {
+  float* m;
+  float* l;
+  float* acc;  // heads × d_c
+};
+
+// fold rows (count × width, float) into the state of every head
+void fold(const float* q, int64_t heads, int64_t width, int64_t d_c, float scaling, const float* rows,
+          int64_t count, State st, float* scores) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* qh = q + h * width;
+    float top = -INFINITY;
+    for (int64_t t = 0; t < count; ++t) {
+      scores[t] = scaling * dot(qh, rows + t * width, width);
+      top = std::max(top, scores[t]);
+    }
+    const float m = std::max(st.m[h], top);
+    float* acc = st.acc + h * d_c;
+    if (st.m[h] != -INFINITY && st.m[h] != m) {
+      const float alpha = std::exp(st.m[h] - m);
+      st.l[h] *= alpha;
+      for (int64_t d = 0; d < d_c; ++d) acc[d] *= alpha;
+    }
+    st.m[h] = m;
+    for (int64_t t = 0; t < count; ++t) {
+      const float p = std::exp(scores[t] - m);
+      st.l[h] += p;
+      const float* row = rows + t * width;
+      for (int64_t d = 0; d < d_c; ++d) acc[d] += p * row[d];  // vectorized
+    }
+  }
+}
+
+// the tasks' states merged per (request, head) → (o (B, H, d_c), lse (B, H))
+std::tuple<at::Tensor, at::Tensor> merge(const std::vector<Task>& tasks, const at::Tensor& m,
+                                         const at::Tensor& l, const at::Tensor& acc, int64_t batch,
+                                         int64_t heads, int64_t d_c) {
+  auto o = at::zeros({batch, heads, d_c}, m.options());
+  auto lse = at::full({batch, heads}, -INFINITY, m.options());
+  const float *pm = m.data_ptr<float>(), *pl = l.data_ptr<float>(), *pa = acc.data_ptr<float>();
+  float *po = o.data_ptr<float>(), *plse = lse.data_ptr<float>();
+  std::vector<std::vector<int64_t>> of(batch);
+  for (int64_t i = 0; i < static_cast<int64_t>(tasks.size()); ++i) of[tasks[i].b].push_back(i);
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / heads, h = bh % heads;
+      float top = -INFINITY;
+      for (int64_t i : of[b]) top = std::max(top, pm[i * heads + h]);
+      if (top == -INFINITY) continue;
+      float total = 0.0f;
+      float* out = po + bh * d_c;
+      for (int64_t i : of[b]) {
+        const float w = std::exp(pm[i * heads + h] - top);
+        if (w == 0.0f) continue;
+        total += w * pl[i * heads + h];
+        const float* a = pa + (i * heads + h) * d_c;
+        for (int64_t d = 0; d < d_c; ++d) out[d] += w * a[d];
+      }
+      for (int64_t d = 0; d < d_c; ++d) out[d] /= total;
+      plse[bh] = top + std::log(total);
+    }
+  });
+  return {o, lse};
+}
+
+// runs every task: `load(b, lo, count, rows)` fills rows for positions lo .. lo + count − 1 of
+// request b (within one page); protection rows come from `prot` (B, P, width) where `valid`
+template <class Load>
+std::tuple<at::Tensor, at::Tensor> decode_tasks(const std::vector<Task>& tasks, const at::Tensor& q,
+                                                const at::Tensor& prot, const at::Tensor& valid,
+                                                double scaling, int64_t d_c, int64_t page_tokens,
+                                                Load load) {
+  const int64_t batch = q.size(0), heads = q.size(1), width = q.size(2), n = tasks.size();
+  auto m = at::full({n, heads}, -INFINITY, q.options());
+  auto l = at::zeros({n, heads}, q.options());
+  auto acc = at::zeros({n, heads, d_c}, q.options());
+  const float* pq = q.data_ptr<float>();
+  const int64_t block = std::max<int64_t>(page_tokens, 16);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> rows(block * width), scores(block);
+    for (int64_t i = begin; i < end; ++i) {
+      const Task& task = tasks[i];
+      State st{m.data_ptr<float>() + i * heads, l.data_ptr<float>() + i * heads,
+               acc.data_ptr<float>() + i * heads * d_c};
+      const float* qb = pq + task.b * heads * width;
+      if (task.lo < 0) {  // protection rows
+        const int64_t rows_held = prot.size(1);
+        const float* pr = prot.data_ptr<float>() + task.b * rows_held * width;
+        const bool* ok = valid.data_ptr<bool>() + task.b * rows_held;
+        int64_t count = 0;
+        for (int64_t r = 0; r < rows_held; ++r) {
+          if (!ok[r]) continue;
+          std::memcpy(rows.data() + count * width, pr + r * width, width * sizeof(float));
+          if (++count == block) {
+            fold(qb, heads, width, d_c, static_cast<float>(scaling), rows.data(), count, st, scores.data());
+            count = 0;
+          }
+        }
+        if (count) fold(qb, heads, width, d_c, static_cast<float>(scaling), rows.data(), count, st, scores.data());
+        continue;
+      }
+      for (int64_t pos = task.lo; pos < task.hi;) {
+        const int64_t count = std::min(page_tokens - pos % page_tokens, task.hi - pos);
+        load(task.b, pos, count, rows.data());
+        fold(qb, heads, width, d_c, static_cast<float>(scaling), rows.data(), count, st, scores.data());
+        pos += count;
+      }
+    }
+  });
+  return merge(tasks, m, l, acc, batch, heads, d_c);
+}
+
+std::vector<Task> split(const int64_t* lo, const int64_t* hi, int64_t batch, bool protection) {
+  std::vector<Task> tasks;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t a = lo[b]; a < hi[b]; a += kSplit) tasks.push_back({b, a, std::min(hi[b], a + kSplit)});
+    if (protection) tasks.push_back({b, -1, -1});
+  }
+  return tasks;
+}
+
+void check_decode_inputs(const at::Tensor& table, const at::Tensor& lo, const at::Tensor& hi,
+                         const at::Tensor& q) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(),
+              "q: contiguous float32 (B, H, d_c + d_r)");
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.is_contiguous() &&
+                  table.size(0) == q.size(0),
+              "table: contiguous int64 (B, pages)");
+  for (const auto* t : {&lo, &hi})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == q.size(0) && t->is_contiguous(),
+                "lo, hi: contiguous int64 (B,)");
+}
+
+// packed pages: positions [lo_b, hi_b) of each request from its pages, and its protection rows
+std::tuple<at::Tensor, at::Tensor> decode_pages(const at::Tensor& storage, const at::Tensor& table,
+                                                const at::Tensor& lo, const at::Tensor& hi,
+                                                const at::Tensor& q, const at::Tensor& prot,
+                                                const at::Tensor& valid, double scaling,
+                                                int64_t page_tokens, at::IntArrayRef content,
+                                                at::IntArrayRef rope) {
+  TORCH_CHECK(storage.device().is_cpu() && storage.scalar_type() == at::kByte && storage.dim() == 2 &&
+                  storage.is_contiguous(),
+              "storage: contiguous uint8 (pages, page bytes) on the CPU");
+  check_decode_inputs(table, lo, hi, q);
+  const PathInfo paths[2] = {path_info(content), path_info(rope)};
+  TORCH_CHECK(paths[0].dim + paths[1].dim == q.size(2), "q's width is d_c + d_r");
+  const bool protection = prot.numel() > 0;
+  if (protection)
+    TORCH_CHECK(prot.scalar_type() == at::kFloat && prot.is_contiguous() && prot.dim() == 3 &&
+                    prot.size(0) == q.size(0) && prot.size(2) == q.size(2) &&
+                    valid.scalar_type() == at::kBool && valid.is_contiguous() &&
+                    valid.numel() == prot.size(0) * prot.size(1),
+                "prot: contiguous float32 (B, P, width); valid: bool (B, P)");
+  const int64_t* tab = table.data_ptr<int64_t>();
+  const int64_t cols = table.size(1), stored = storage.size(0), page_bytes = storage.size(1);
+  const int64_t *plo = lo.data_ptr<int64_t>(), *phi = hi.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b)
+    for (int64_t pg = plo[b] / page_tokens; plo[b] < phi[b] && pg <= (phi[b] - 1) / page_tokens; ++pg)
+      TORCH_CHECK(pg < cols && tab[b * cols + pg] >= 0 && tab[b * cols + pg] < stored,
+                  "request ", b, ": page ", pg, " outside its table or the storage");
+  const uint8_t* base = storage.data_ptr<uint8_t>();
+  const int64_t width = q.size(2);
+  auto load = [&](int64_t b, int64_t pos, int64_t count, float* rows) {
+    const uint8_t* page = base + tab[b * cols + pos / page_tokens] * page_bytes;
+    for (int64_t t = 0; t < count; ++t)
+      for (const auto& p : paths) dequantize_token(page, pos % page_tokens + t, p, rows + t * width);
+  };
+  return decode_tasks(split(plo, phi, q.size(0), protection), q, prot, valid, scaling, paths[0].dim,
+                      page_tokens, load);
+}
+
+// row pages (pages, page tokens, width) of float32 or bfloat16: every position [lo_b, hi_b)
+std::tuple<at::Tensor, at::Tensor> decode_rows(const at::Tensor& pages, const at::Tensor& table,
+                                               const at::Tensor& lo, const at::Tensor& hi,
+                                               const at::Tensor& q, double scaling, int64_t d_c) {
+  TORCH_CHECK(pages.device().is_cpu() && pages.dim() == 3 && pages.is_contiguous() &&
+                  (pages.scalar_type() == at::kFloat || pages.scalar_type() == at::kBFloat16) &&
+                  pages.size(2) == q.size(2),
+              "pages: contiguous float32 or bfloat16 (pages, page tokens, d_c + d_r) on the CPU");
+  check_decode_inputs(table, lo, hi, q);
+  const int64_t* tab = table.data_ptr<int64_t>();
+  const int64_t cols = table.size(1), stored = pages.size(0), page_tokens = pages.size(1);
+  const int64_t width = q.size(2);
+  const int64_t *plo = lo.data_ptr<int64_t>(), *phi = hi.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b)
+    for (int64_t pg = plo[b] / page_tokens; plo[b] < phi[b] && pg <= (phi[b] - 1) / page_tokens; ++pg)
+      TORCH_CHECK(pg < cols && tab[b * cols + pg] >= 0 && tab[b * cols + pg] < stored,
+                  "request ", b, ": page ", pg, " outside its table or the storage");
+  const auto none = at::empty({0}, q.options());
+  const auto tasks = split(plo, phi, q.size(0), false);
+  if (pages.scalar_type() == at::kFloat) {
+    const float* base = pages.data_ptr<float>();
+    auto load = [&](int64_t b, int64_t pos, int64_t count, float* rows) {
+      const float* src = base + (tab[b * cols + pos / page_tokens] * page_tokens + pos % page_tokens) * width;
+      std::memcpy(rows, src, count * width * sizeof(float));
+    };
+    return decode_tasks(tasks, q, none, none, scaling, d_c, page_tokens, load);
+  }
+  const c10::BFloat16* base = pages.data_ptr<c10::BFloat16>();
+  auto load = [&](int64_t b, int64_t pos, int64_t count, float* rows) {
+    const c10::BFloat16* src =
+        base + (tab[b * cols + pos / page_tokens] * page_tokens + pos % page_tokens) * width;
+    for (int64_t i = 0; i < count * width; ++i) rows[i] = static_cast<float>(src[i]);
+  };
+  return decode_tasks(tasks, q, none, none, scaling, d_c, page_tokens, load);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(quantmla, m) {
@@ -254,9 +490,17 @@ TORCH_LIBRARY(quantmla, m) {
   m.def(
       "quantize_pages(Tensor(a!) storage, Tensor pages, Tensor slots, Tensor content_rows, "
       "Tensor rope_rows, int page_tokens, int[] content, int[] rope) -> ()");
+  m.def(
+      "decode_pages(Tensor storage, Tensor table, Tensor lo, Tensor hi, Tensor q, Tensor prot, "
+      "Tensor valid, float scaling, int page_tokens, int[] content, int[] rope) -> (Tensor, Tensor)");
+  m.def(
+      "decode_rows(Tensor pages, Tensor table, Tensor lo, Tensor hi, Tensor q, float scaling, "
+      "int d_c) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(quantmla, CPU, m) {
   m.impl("dequantize_pages", &dequantize_pages);
   m.impl("quantize_pages", &quantize_pages);
+  m.impl("decode_pages", &decode_pages);
+  m.impl("decode_rows", &decode_rows);
 }

@@ -1,5 +1,5 @@
-"""The C++ CPU ops beside the torch path (`dequant.cpp`: packed pages → float32 rows, and the
-writer: rows → packed bytes at (page, slot)), built on first use by torch's cpp_extension (a C++
+"""The C++ CPU ops beside the torch path (`dequant.cpp`: packed pages → float32 rows, the writer:
+rows → packed bytes at (page, slot), and the fused decode over packed or row pages), built on first use by torch's cpp_extension (a C++
 compiler and ninja; cached under torch's extensions folder). Where they cannot be built, or
 `QUANTMLA_NATIVE=0`, `available()` is False and the callers keep the torch path
 (`cpu.dequantize_pages_torch`, `writer.write_torch`), after one printed line."""
@@ -76,3 +76,18 @@ def native_write(storage, layout: CacheLayout, pages, slots, c, k_r) -> None:
         slots.reshape(-1).to(torch.int64).contiguous(), c.float().contiguous(),
         k_r.float().contiguous(), layout.page_tokens, content, rope,
     )  # fmt: skip
+
+
+def native_decode(storage, layout: CacheLayout, table, lo, hi, q, prot, valid, scaling):
+    """(o (B, H, d_c), lse (B, H)) of queries q (B, H, d_c + d_r) float32 over positions
+    [lo_b, hi_b) of each request's packed pages (`table` (B, pages) int64) and, where `prot`
+    (B, P, width) float32 is not empty, its protection rows marked `valid` (B, P)."""
+    content, rope = path_constants(layout)
+    return _ops().decode_pages(
+        storage, table, lo, hi, q, prot, valid, float(scaling), layout.page_tokens, content, rope
+    )
+
+
+def native_decode_rows(pages, table, lo, hi, q, scaling, d_c: int):
+    """The same over row pages (pages, page tokens, d_c + d_r), float32 or bfloat16."""
+    return _ops().decode_rows(pages, table, lo, hi, q, float(scaling), d_c)
