@@ -142,12 +142,12 @@ def decode_rows(*, q_lat, q_rope, scaling, table, lens, pages, d_c: int):
     bfloat16 rows (the same code as the packed pages', a page's rows converted instead of
     dequantized), else `decode_rows_torch`."""
     if (pages.device.type != "cpu" or pages.dtype not in (torch.float32, torch.bfloat16)
-            or not native.available()):  # fmt: skip
+            or pages.stride(-1) != 1 or not native.available()):  # fmt: skip
         return decode_rows_torch(q_lat=q_lat, q_rope=q_rope, scaling=scaling, table=table,
                                  lens=lens, pages=pages, d_c=d_c)  # fmt: skip
     t = lens.to(torch.int64).contiguous()
     q = torch.cat([q_lat.float(), q_rope.float()], dim=-1).contiguous()
-    return native.native_decode_rows(pages.contiguous(), table.to(torch.int64).contiguous(),
+    return native.native_decode_rows(pages, table.to(torch.int64).contiguous(),  # a view: no copy
                                      torch.zeros_like(t), t, q, scaling, d_c)  # fmt: skip
 
 

@@ -449,34 +449,35 @@ std::tuple<at::Tensor, at::Tensor> decode_pages(const at::Tensor& storage, const
 std::tuple<at::Tensor, at::Tensor> decode_rows(const at::Tensor& pages, const at::Tensor& table,
                                                const at::Tensor& lo, const at::Tensor& hi,
                                                const at::Tensor& q, double scaling, int64_t d_c) {
-  TORCH_CHECK(pages.device().is_cpu() && pages.dim() == 3 && pages.is_contiguous() &&
+  TORCH_CHECK(pages.device().is_cpu() && pages.dim() == 3 && pages.stride(2) == 1 &&
                   (pages.scalar_type() == at::kFloat || pages.scalar_type() == at::kBFloat16) &&
                   pages.size(2) == q.size(2),
-              "pages: contiguous float32 or bfloat16 (pages, page tokens, d_c + d_r) on the CPU");
+              "pages: float32 or bfloat16 (pages, page tokens, d_c + d_r), rows contiguous, on the CPU");
   check_decode_inputs(table, lo, hi, q);
   const int64_t* tab = table.data_ptr<int64_t>();
   const int64_t cols = table.size(1), stored = pages.size(0), page_tokens = pages.size(1);
-  const int64_t width = q.size(2);
+  const int64_t width = q.size(2), page_stride = pages.stride(0), row_stride = pages.stride(1);
   const int64_t *plo = lo.data_ptr<int64_t>(), *phi = hi.data_ptr<int64_t>();
   for (int64_t b = 0; b < q.size(0); ++b)
     for (int64_t pg = plo[b] / page_tokens; plo[b] < phi[b] && pg <= (phi[b] - 1) / page_tokens; ++pg)
       TORCH_CHECK(pg < cols && tab[b * cols + pg] >= 0 && tab[b * cols + pg] < stored,
                   "request ", b, ": page ", pg, " outside its table or the storage");
-  const auto none = at::empty({0}, q.options());
+  const auto none = at::empty({0}, q.options());  // an engine's pages may be a strided view
   const auto tasks = split(plo, phi, q.size(0), false);
   if (pages.scalar_type() == at::kFloat) {
     const float* base = pages.data_ptr<float>();
     auto load = [&](int64_t b, int64_t pos, int64_t count, float* rows) {
-      const float* src = base + (tab[b * cols + pos / page_tokens] * page_tokens + pos % page_tokens) * width;
-      std::memcpy(rows, src, count * width * sizeof(float));
+      const float* src = base + tab[b * cols + pos / page_tokens] * page_stride + (pos % page_tokens) * row_stride;
+      for (int64_t t = 0; t < count; ++t) std::memcpy(rows + t * width, src + t * row_stride, width * sizeof(float));
     };
     return decode_tasks(tasks, q, none, none, scaling, d_c, page_tokens, load);
   }
   const c10::BFloat16* base = pages.data_ptr<c10::BFloat16>();
   auto load = [&](int64_t b, int64_t pos, int64_t count, float* rows) {
     const c10::BFloat16* src =
-        base + (tab[b * cols + pos / page_tokens] * page_tokens + pos % page_tokens) * width;
-    for (int64_t i = 0; i < count * width; ++i) rows[i] = static_cast<float>(src[i]);
+        base + tab[b * cols + pos / page_tokens] * page_stride + (pos % page_tokens) * row_stride;
+    for (int64_t t = 0; t < count; ++t)
+      for (int64_t i = 0; i < width; ++i) rows[t * width + i] = static_cast<float>(src[t * row_stride + i]);
   };
   return decode_tasks(tasks, q, none, none, scaling, d_c, page_tokens, load);
 }

@@ -188,7 +188,7 @@ class QuantMLAImpl(MLACommonImpl):
                 self.served.max_num_seqs, s.sink, s.recent, self.served.d_c + self.served.d_r,
                 getattr(torch, s.protection_dtype), self.served.device,
             )  # fmt: skip
-            ops.warm_up(self.served.kernel, self.served.device)
+        ops.warm_up(self.served.kernel, self.served.device)  # both modes decode with the C++ op
         self._new_tokens = None  # (c, k_R) of this step, for the protection rows
 
     # -- writing ---------------------------------------------------------------------------------
