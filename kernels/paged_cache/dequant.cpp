@@ -395,8 +395,9 @@ std::vector<Task> split(const int64_t* lo, const int64_t* hi, int64_t batch, boo
   return tasks;
 }
 
+// the inputs both decodes share, and every page a task will read inside the table and storage
 void check_decode_inputs(const at::Tensor& table, const at::Tensor& lo, const at::Tensor& hi,
-                         const at::Tensor& q) {
+                         const at::Tensor& q, int64_t page_tokens, int64_t stored) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(),
               "q: contiguous float32 (B, H, d_c + d_r)");
   TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.is_contiguous() &&
@@ -405,6 +406,12 @@ void check_decode_inputs(const at::Tensor& table, const at::Tensor& lo, const at
   for (const auto* t : {&lo, &hi})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == q.size(0) && t->is_contiguous(),
                 "lo, hi: contiguous int64 (B,)");
+  const int64_t *tab = table.data_ptr<int64_t>(), cols = table.size(1);
+  const int64_t *plo = lo.data_ptr<int64_t>(), *phi = hi.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b)
+    for (int64_t pg = plo[b] / page_tokens; plo[b] < phi[b] && pg <= (phi[b] - 1) / page_tokens; ++pg)
+      TORCH_CHECK(pg < cols && tab[b * cols + pg] >= 0 && tab[b * cols + pg] < stored,
+                  "request ", b, ": page ", pg, " outside its table or the storage");
 }
 
 // packed pages: positions [lo_b, hi_b) of each request from its pages, and its protection rows
@@ -417,7 +424,7 @@ std::tuple<at::Tensor, at::Tensor> decode_pages(const at::Tensor& storage, const
   TORCH_CHECK(storage.device().is_cpu() && storage.scalar_type() == at::kByte && storage.dim() == 2 &&
                   storage.is_contiguous(),
               "storage: contiguous uint8 (pages, page bytes) on the CPU");
-  check_decode_inputs(table, lo, hi, q);
+  check_decode_inputs(table, lo, hi, q, page_tokens, storage.size(0));
   const PathInfo paths[2] = {path_info(content), path_info(rope)};
   TORCH_CHECK(paths[0].dim + paths[1].dim == q.size(2), "q's width is d_c + d_r");
   const bool protection = prot.numel() > 0;
@@ -428,12 +435,8 @@ std::tuple<at::Tensor, at::Tensor> decode_pages(const at::Tensor& storage, const
                     valid.numel() == prot.size(0) * prot.size(1),
                 "prot: contiguous float32 (B, P, width); valid: bool (B, P)");
   const int64_t* tab = table.data_ptr<int64_t>();
-  const int64_t cols = table.size(1), stored = storage.size(0), page_bytes = storage.size(1);
+  const int64_t cols = table.size(1), page_bytes = storage.size(1);
   const int64_t *plo = lo.data_ptr<int64_t>(), *phi = hi.data_ptr<int64_t>();
-  for (int64_t b = 0; b < q.size(0); ++b)
-    for (int64_t pg = plo[b] / page_tokens; plo[b] < phi[b] && pg <= (phi[b] - 1) / page_tokens; ++pg)
-      TORCH_CHECK(pg < cols && tab[b * cols + pg] >= 0 && tab[b * cols + pg] < stored,
-                  "request ", b, ": page ", pg, " outside its table or the storage");
   const uint8_t* base = storage.data_ptr<uint8_t>();
   const int64_t width = q.size(2);
   auto load = [&](int64_t b, int64_t pos, int64_t count, float* rows) {
@@ -453,15 +456,12 @@ std::tuple<at::Tensor, at::Tensor> decode_rows(const at::Tensor& pages, const at
                   (pages.scalar_type() == at::kFloat || pages.scalar_type() == at::kBFloat16) &&
                   pages.size(2) == q.size(2),
               "pages: float32 or bfloat16 (pages, page tokens, d_c + d_r), rows contiguous, on the CPU");
-  check_decode_inputs(table, lo, hi, q);
+  const int64_t page_tokens = pages.size(1);
+  check_decode_inputs(table, lo, hi, q, page_tokens, pages.size(0));
   const int64_t* tab = table.data_ptr<int64_t>();
-  const int64_t cols = table.size(1), stored = pages.size(0), page_tokens = pages.size(1);
+  const int64_t cols = table.size(1);
   const int64_t width = q.size(2), page_stride = pages.stride(0), row_stride = pages.stride(1);
   const int64_t *plo = lo.data_ptr<int64_t>(), *phi = hi.data_ptr<int64_t>();
-  for (int64_t b = 0; b < q.size(0); ++b)
-    for (int64_t pg = plo[b] / page_tokens; plo[b] < phi[b] && pg <= (phi[b] - 1) / page_tokens; ++pg)
-      TORCH_CHECK(pg < cols && tab[b * cols + pg] >= 0 && tab[b * cols + pg] < stored,
-                  "request ", b, ": page ", pg, " outside its table or the storage");
   const auto none = at::empty({0}, q.options());  // an engine's pages may be a strided view
   const auto tasks = split(plo, phi, q.size(0), false);
   if (pages.scalar_type() == at::kFloat) {
