@@ -83,6 +83,11 @@ def _protected_positions(lens: torch.Tensor, sink: int, recent: int, rows: int):
     return pos, valid
 
 
+def _query(q_lat, q_rope) -> torch.Tensor:
+    """(B, H, d_c + d_r) float32 [q̃ | q_R]: one product scores a whole row [c | k_R]."""
+    return torch.cat([q_lat.float(), q_rope.float()], dim=-1).contiguous()
+
+
 def decode_packed(
     *, q_lat, q_rope, scaling, table, lens, layout: CacheLayout, storage, prot=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +103,7 @@ def decode_packed(
     protected = layout.quantized and prot is not None
     lo = torch.full_like(t, layout.sink) if protected else torch.zeros_like(t)
     hi = torch.maximum(lo, t - layout.recent) if protected else t
-    q = torch.cat([q_lat.float(), q_rope.float()], dim=-1).contiguous()
+    q = _query(q_lat, q_rope)
     rows, valid = torch.empty(0), torch.empty(0, dtype=torch.bool)
     if protected:
         _, valid = _protected_positions(lens, layout.sink, layout.recent, prot.shape[1])
@@ -120,7 +125,7 @@ def decode_packed_torch(
     protected = layout.quantized and prot is not None
     keep = (pos < t) & (pos >= layout.sink) & (pos < t - layout.recent) if protected else pos < t
     rows = dequantize_rows(storage, layout, table, n_pages, keep)
-    q = torch.cat([q_lat.float(), q_rope.float()], dim=-1)
+    q = _query(q_lat, q_rope)
     scores = [torch.where(keep[:, None], scaling * (q @ rows.transpose(1, 2)), -torch.inf)]
     if protected:
         _, valid = _protected_positions(lens, layout.sink, layout.recent, prot.shape[1])
@@ -146,7 +151,7 @@ def decode_rows(*, q_lat, q_rope, scaling, table, lens, pages, d_c: int):
         return decode_rows_torch(q_lat=q_lat, q_rope=q_rope, scaling=scaling, table=table,
                                  lens=lens, pages=pages, d_c=d_c)  # fmt: skip
     t = lens.to(torch.int64).contiguous()
-    q = torch.cat([q_lat.float(), q_rope.float()], dim=-1).contiguous()
+    q = _query(q_lat, q_rope)
     return native.native_decode_rows(pages, table.to(torch.int64).contiguous(),  # a view: no copy
                                      torch.zeros_like(t), t, q, scaling, d_c)  # fmt: skip
 
@@ -159,7 +164,7 @@ def decode_rows_torch(*, q_lat, q_rope, scaling, table, lens, pages, d_c: int):
     rows = pages.index_select(0, index).view(table.shape[0], -1, pages.shape[-1]).float()
     pos = torch.arange(rows.shape[1], device=lens.device)[None, None, :]
     keep = pos < lens.to(torch.int64)[:, None, None]
-    q = torch.cat([q_lat.float(), q_rope.float()], dim=-1)
+    q = _query(q_lat, q_rope)
     scores = torch.where(keep, scaling * (q @ rows.transpose(1, 2)), -torch.inf)
     lse = torch.logsumexp(scores, dim=-1)
     p = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])

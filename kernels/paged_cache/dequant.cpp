@@ -462,24 +462,18 @@ std::tuple<at::Tensor, at::Tensor> decode_rows(const at::Tensor& pages, const at
   const int64_t cols = table.size(1);
   const int64_t width = q.size(2), page_stride = pages.stride(0), row_stride = pages.stride(1);
   const int64_t *plo = lo.data_ptr<int64_t>(), *phi = hi.data_ptr<int64_t>();
-  const auto none = at::empty({0}, q.options());  // an engine's pages may be a strided view
+  const auto none = at::empty({0}, q.options());
   const auto tasks = split(plo, phi, q.size(0), false);
-  if (pages.scalar_type() == at::kFloat) {
-    const float* base = pages.data_ptr<float>();
+  auto run = [&](const auto* base) {  // float32 or bfloat16 rows, read in place (a strided view)
     auto load = [&](int64_t b, int64_t pos, int64_t count, float* rows) {
-      const float* src = base + tab[b * cols + pos / page_tokens] * page_stride + (pos % page_tokens) * row_stride;
-      for (int64_t t = 0; t < count; ++t) std::memcpy(rows + t * width, src + t * row_stride, width * sizeof(float));
+      const auto* src = base + tab[b * cols + pos / page_tokens] * page_stride + (pos % page_tokens) * row_stride;
+      for (int64_t t = 0; t < count; ++t)
+        for (int64_t i = 0; i < width; ++i) rows[t * width + i] = static_cast<float>(src[t * row_stride + i]);
     };
     return decode_tasks(tasks, q, none, none, scaling, d_c, page_tokens, load);
-  }
-  const c10::BFloat16* base = pages.data_ptr<c10::BFloat16>();
-  auto load = [&](int64_t b, int64_t pos, int64_t count, float* rows) {
-    const c10::BFloat16* src =
-        base + tab[b * cols + pos / page_tokens] * page_stride + (pos % page_tokens) * row_stride;
-    for (int64_t t = 0; t < count; ++t)
-      for (int64_t i = 0; i < width; ++i) rows[t * width + i] = static_cast<float>(src[t * row_stride + i]);
   };
-  return decode_tasks(tasks, q, none, none, scaling, d_c, page_tokens, load);
+  if (pages.scalar_type() == at::kFloat) return run(pages.data_ptr<float>());
+  return run(pages.data_ptr<c10::BFloat16>());
 }
 
 }  // namespace

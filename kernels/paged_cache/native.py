@@ -1,6 +1,7 @@
 """The C++ CPU ops beside the torch path (`dequant.cpp`: packed pages → float32 rows, the writer:
-rows → packed bytes at (page, slot), and the fused decode over packed or row pages), built on first use by torch's cpp_extension (a C++
-compiler and ninja; cached under torch's extensions folder). Where they cannot be built, or
+rows → packed bytes at (page, slot), and the fused decode over packed or row pages), built on
+first use by torch's cpp_extension (a C++ compiler and ninja; cached under torch's extensions
+folder). Where they cannot be built, or
 `QUANTMLA_NATIVE=0`, `available()` is False and the callers keep the torch path
 (`cpu.dequantize_pages_torch`, `writer.write_torch`), after one printed line."""
 

@@ -8,8 +8,9 @@ prefill: any chunk size, any boundary) attends over its own tokens (both copies 
 workspace-sized chunks: the context every query of the chunk reads without a mask, the
 dequantized copies read under the causal rule shifted by `recent`, the exact copies as the sinks
 and a band, LSE-merged (`merge_states`), by torch's fused CPU attention on a CPU. Decode reads
-packed pages and the request's protection rows through the cache's ops (`quantmla_kernels.paged_cache.ops`: Triton on CUDA, the
-CPU path elsewhere); both return the softmax-weighted latent, to which the engine applies W_UV.
+packed pages and the request's protection rows through the cache's ops
+(`quantmla_kernels.paged_cache.ops`: Triton on CUDA, the CPU path elsewhere); both return the
+softmax-weighted latent, to which the engine applies W_UV.
 """
 
 from __future__ import annotations
@@ -224,17 +225,11 @@ def _window_passes(qh, keys, values, j: list[int], start: int, sink: int, recent
     n, parts = qh.shape[1], []
     sinks = bisect_left(j, sink)
     if sinks:
-        first = max(0, j[sinks - 1] - start)  # the first query reading every sink
-        if first > 0:  # a first chunk: its queries before the last sink, under the rule's mask
-            i = start + torch.arange(first, device=qh.device)[:, None]
+        mask = None
+        if j[sinks - 1] > start:  # a first chunk: queries before a sink do not read it
+            i = start + torch.arange(n, device=qh.device)[:, None]
             mask = torch.tensor(j[:sinks], device=qh.device)[None] <= i
-            parts.append(
-                (0, *attend(qh[:, :first], keys[:, :sinks], values[:, :sinks], mask, scaling))
-            )
-        if first < n:
-            parts.append(
-                (first, *attend(qh[:, first:], keys[:, :sinks], values[:, :sinks], None, scaling))
-            )
+        parts.append((0, *attend(qh, keys[:, :sinks], values[:, :sinks], mask, scaling)))
     if recent and sinks < len(j):
         if j[-1] - j[sinks] != len(j) - 1 - sinks:
             raise RuntimeError("the exact copies past the sinks are not contiguous positions")
