@@ -116,4 +116,9 @@ def read_run(folder: Path) -> OfflineRun:
 
 
 def offline_runs(root: Path) -> list[OfflineRun]:
+    """Every offline run under root, read after W&B's service has exited: `run.finish()` returns
+    before the service closes the run's log, so a log read right away can still be unflushed."""
+    import wandb
+
+    wandb.teardown()
     return [read_run(f) for f in sorted(Path(root).glob("**/offline-run-*"))]
