@@ -270,42 +270,44 @@ def test_chunked_prefill_equals_the_whole_prompt_rule(
 
 
 def test_merge_states_is_the_softmax_over_the_union():
-    from quantmla.serving.paged_attention import _attend, merge_states
+    from quantmla_kernels.paged_cache.prefill import attend_scores, merge_states
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 5, 8, generator=g, dtype=torch.float64) for _ in range(3))
     mask = torch.rand(5, 5, generator=g) > 0.3
     mask[:, 0] = True
-    whole = _attend(q, k, v, mask, 0.3)
+    whole = attend_scores(q, k, v, mask, 0.3)
     a, b = (
-        _attend(q, k[:, :2], v[:, :2], mask[:, :2], 0.3),
-        _attend(q, k[:, 2:], v[:, 2:], mask[:, 2:], 0.3),
+        attend_scores(q, k[:, :2], v[:, :2], mask[:, :2], 0.3),
+        attend_scores(q, k[:, 2:], v[:, 2:], mask[:, 2:], 0.3),
     )
     for got, want in zip(merge_states(*a, *b), whole):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    none = _attend(q, k, v, torch.zeros(5, 5, dtype=torch.bool), 0.3)  # a part nobody reads
+    none = attend_scores(q, k, v, torch.zeros(5, 5, dtype=torch.bool), 0.3)  # a part nobody reads
     for got, want in zip(merge_states(*whole, *none), whole):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_fused_cpu_attention_equals_the_score_matrix_causal_and_with_empty_rows():
     """`attend` (torch's fused CPU attention, values narrower than keys zero-padded) against
-    `_attend` (the score matrix): causal (square, and more queries than keys), and masked with a row that reads nothing (out 0,
+    `attend_scores` (the score matrix): causal (square, and more queries than keys), and masked with a row that reads nothing (out 0,
     lse −inf, which the fused op alone leaves at lse 0)."""
-    from quantmla.serving.paged_attention import _attend, attend
+    from quantmla_kernels.paged_cache.prefill import attend, attend_scores
 
     g = torch.Generator().manual_seed(1)
     q, k = (torch.randn(3, 9, 16, generator=g, dtype=torch.float64) for _ in range(2))
     v = torch.randn(3, 9, 8, generator=g, dtype=torch.float64)
     causal = torch.ones(9, 9, dtype=torch.bool).tril()
-    for got, want in zip(attend(q, k, v, None, 0.2, causal=True), _attend(q, k, v, causal, 0.2)):
+    for got, want in zip(
+        attend(q, k, v, None, 0.2, causal=True), attend_scores(q, k, v, causal, 0.2)
+    ):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     short = attend(q, k[:, :5], v[:, :5], None, 0.2, causal=True)  # top-left: row r reads 0 .. r
-    for got, want in zip(short, _attend(q, k[:, :5], v[:, :5], causal[:, :5], 0.2)):
+    for got, want in zip(short, attend_scores(q, k[:, :5], v[:, :5], causal[:, :5], 0.2)):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     mask = torch.rand(9, 9, generator=g) > 0.5
     mask[4] = False
-    got, want = attend(q, k, v, mask, 0.2), _attend(q, k, v, mask, 0.2)
+    got, want = attend(q, k, v, mask, 0.2), attend_scores(q, k, v, mask, 0.2)
     assert got[0].shape == (3, 9, 8) and torch.isneginf(got[1][:, 4]).all()
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
@@ -319,7 +321,7 @@ def test_fused_cpu_attention_equals_the_score_matrix_causal_and_with_empty_rows(
 def test_band_equals_the_masked_score_matrix(monkeypatch, n, start, base, recent, block, scores):
     """`_band` (blocks of queries over strided key windows, edge blocks padded, score matrices
     split by `BAND_SCORES`) against the float64 score matrix under 0 ≤ i − j < recent."""
-    import quantmla.serving.paged_attention as pa
+    import quantmla_kernels.paged_cache.prefill as pa
 
     monkeypatch.setattr(pa, "BAND_BLOCK", block)
     monkeypatch.setattr(pa, "BAND_SCORES", scores)
@@ -329,7 +331,7 @@ def test_band_equals_the_masked_score_matrix(monkeypatch, n, start, base, recent
     k = torch.randn(m, 3, 16, generator=g, dtype=torch.float64).transpose(0, 1)
     v = torch.randn(m, 3, 8, generator=g, dtype=torch.float64).transpose(0, 1)
     lag = (start + torch.arange(n))[:, None] - (base + torch.arange(m))[None]
-    want = pa._attend(q, k, v, (lag >= 0) & (lag < recent), 0.3)
+    want = pa.attend_scores(q, k, v, (lag >= 0) & (lag < recent), 0.3)
     for got, expected in zip(pa._band(q, k, v, base, start, recent, 0.3), want):
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 

@@ -1,5 +1,6 @@
 """The C++ CPU ops beside the torch path (`dequant.cpp`: packed pages → float32 rows, the writer:
-rows → packed bytes at (page, slot), and the fused decode over packed or row pages), built on
+rows → packed bytes at (page, slot), and the fused decode over packed or row pages; `prefill.cpp`:
+a quantized prefill chunk's pass over its exact copies, merged in place), built on
 first use by torch's cpp_extension (a C++ compiler and ninja; cached under torch's extensions
 folder). Where they cannot be built, or
 `QUANTMLA_NATIVE=0`, `available()` is False and the callers keep the torch path
@@ -16,7 +17,7 @@ import torch
 from quantmla.memory import CacheLayout
 from quantmla_kernels.paged_cache.layout import check_packable, paths
 
-SOURCE = Path(__file__).with_name("dequant.cpp")
+SOURCES = [str(Path(__file__).with_name(name)) for name in ("dequant.cpp", "prefill.cpp")]
 META_KIND = {torch.float32: 4, torch.bfloat16: 2, torch.float16: -2}
 
 
@@ -28,8 +29,9 @@ def _ops():
         from torch.utils.cpp_extension import load
 
         load(
-            name="quantmla_dequant", sources=[str(SOURCE)], is_python_module=False,
-            extra_cflags=["-O3", "-march=native"], verbose=False,
+            name="quantmla_cpu_ops", sources=SOURCES, is_python_module=False,
+            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            verbose=False,
         )  # fmt: skip
         return torch.ops.quantmla
     except Exception as err:  # no compiler, no ninja, a build error: the torch path serves
@@ -92,3 +94,12 @@ def native_decode(storage, layout: CacheLayout, table, lo, hi, q, prot, valid, s
 def native_decode_rows(pages, table, lo, hi, q, scaling, d_c: int):
     """The same over row pages (pages, page tokens, d_c + d_r), float32 or bfloat16."""
     return _ops().decode_rows(pages, table, lo, hi, q, float(scaling), d_c)
+
+
+def native_window_merge(q, keys, values, sink_pos, base, start, recent, scaling, out, lse) -> None:
+    """`prefill.merge_window` by the C++ op: q (H, n, W), keys (H, m, W), values (H, m, d_v), the
+    first len(sink_pos) keys the sinks, the rest at positions base ..; out / lse updated in place."""
+    _ops().window_merge(
+        q, keys, values, [int(p) for p in sink_pos], int(base), int(start), int(recent),
+        float(scaling), out, lse,
+    )  # fmt: skip
