@@ -43,18 +43,20 @@ def available() -> bool:
     return _ops() is not None
 
 
-def path_constants(layout: CacheLayout) -> list[list[int]]:
-    """Each path's (dim, bits, group, codes, scales, zeros, meta kind, first column) for the op."""
+@cache
+def path_constants(layout: CacheLayout) -> tuple[tuple[int, ...], ...]:
+    """Each path's (dim, bits, group, codes, scales, zeros, meta kind, first column) for the op
+    (cached: a layout is frozen, and the ops are called per layer and step)."""
     check_packable(layout)
     sections, column, out = layout.sections(), 0, []
     for p in paths(layout):
-        out.append([
+        out.append((
             p.dim, p.bits, layout.spec.group_size, sections[f"{p.name}_codes"][0],
             sections[f"{p.name}_scales"][0], sections[f"{p.name}_zeros"][0],
             META_KIND[p.meta_dtype], column,
-        ])  # fmt: skip
+        ))  # fmt: skip
         column += p.dim
-    return out
+    return tuple(out)
 
 
 def native_dequantize(storage, layout: CacheLayout, pages, keep=None) -> torch.Tensor:
