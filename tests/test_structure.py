@@ -63,6 +63,8 @@ def test_wheel_ships_only_project_unique_top_level_names(tmp_path):
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"quantmla", "quantmla_kernels"}
     assert "quantmla_kernels/paged_cache/decode.py" in names
+    for source in ("dequant.cpp", "prefill.cpp", "vector_math.h"):  # the C++ ops build from these
+        assert f"quantmla_kernels/paged_cache/{source}" in names
     assert "quantmla/evaluation/lm_eval/tasks/quantmla_mmlu.yaml" in names
 
 

@@ -26,7 +26,11 @@
 #include <tuple>
 #include <vector>
 
+#include "vector_math.h"
+
 namespace {
+
+using quantmla_cpu::dot;
 
 // one path's constants, in the order the Python side passes them
 struct PathInfo {
@@ -257,17 +261,6 @@ void quantize_pages(at::Tensor& storage, const at::Tensor& pages, const at::Tens
 // `cpu.decode_packed` / `cpu.decode_rows` (float64 in the tests).
 
 constexpr int64_t kSplit = 256;  // positions per task
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  float lanes[16] = {0.0f};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) lanes[j] += a[i + j] * b[i + j];  // vectorized across lanes
-  float sum = 0.0f;
-  for (; i < n; ++i) sum += a[i] * b[i];
-  for (int j = 0; j < 16; ++j) sum += lanes[j];
-  return sum;
-}
 
 struct Task {
   int64_t b, lo, hi;  // positions [lo, hi) of request b; lo < 0: its protection rows

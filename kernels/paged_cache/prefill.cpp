@@ -23,21 +23,13 @@
 #include <limits>
 #include <vector>
 
+#include "vector_math.h"
+
 namespace {
 
-constexpr int64_t kBlock = 64;  // queries per task
+using quantmla_cpu::dot;
 
-template <class T>
-inline T dot(const T* a, const T* b, int64_t n) {
-  T lanes[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) lanes[j] += a[i + j] * b[i + j];  // vectorized across lanes
-  T sum = 0;
-  for (; i < n; ++i) sum += a[i] * b[i];
-  for (int j = 0; j < 16; ++j) sum += lanes[j];
-  return sum;
-}
+constexpr int64_t kBlock = 64;  // queries per task
 
 // e^x for x ≤ 0 in a loop the compiler vectorizes: 2^k · e^r with k = round(x / ln 2) (the exponent
 // bits), r = x − k ln 2 in two parts (Cody–Waite), e^r by a degree-6 minimax polynomial on
