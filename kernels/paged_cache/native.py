@@ -25,18 +25,22 @@ META_KIND = {torch.float32: 4, torch.bfloat16: 2, torch.float16: -2}
 def _ops():
     if os.environ.get("QUANTMLA_NATIVE", "1") == "0":
         return None
-    try:
-        from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import load
 
-        load(
-            name="quantmla_cpu_ops", sources=SOURCES, is_python_module=False,
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )  # fmt: skip
-        return torch.ops.quantmla
-    except Exception as err:  # no compiler, no ninja, a build error: the torch path serves
-        print(f"[quantmla] C++ CPU op unavailable ({type(err).__name__}: {err}); torch path used")
-        return None
+    # OpenMP spreads the ops' tasks over the cores (without it at::parallel_for runs serially);
+    # a compiler without it (Apple clang) still builds them, serial
+    for threads in (["-fopenmp"], []):
+        try:
+            load(
+                name="quantmla_cpu_ops", sources=SOURCES, is_python_module=False,
+                extra_cflags=["-O3", "-march=native", *threads], extra_ldflags=threads,
+                verbose=False,
+            )  # fmt: skip
+            return torch.ops.quantmla
+        except Exception as err:  # no compiler, no ninja, a build error: the torch path serves
+            error = err
+    print(f"[quantmla] C++ CPU op unavailable ({type(error).__name__}: {error}); torch path used")
+    return None
 
 
 def available() -> bool:
