@@ -176,6 +176,11 @@ class EvalConfig:
     )
     max_gen_toks: int | None = opt(None, "generation budget for every generate task (null: task's)")
     apply_chat_template: bool = opt(False, "chat template (thinking disabled) for every prompt")
+    prefix_cache: bool = opt(
+        True,
+        "lm_eval, hf engine: score a prompt's choices on one KV cache of their shared prefix "
+        "(HFLM's scores up to float rounding; false: HFLM's batches)",
+    )
     engine: str = opt(
         "hf",
         "lm_eval / ruler: hf (transformers + the job's cache, here) | vllm (lm-eval's vllm model "

@@ -27,6 +27,7 @@ LM_EVAL_FIELDS = (
     "apply_chat_template",
     "batch_size",
     "engine",
+    "prefix_cache",
 )
 STUDY_FIELDS = (
     "datasets",

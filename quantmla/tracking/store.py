@@ -29,6 +29,7 @@ LM_EVAL_RESULTS = "_lm_eval/results"  # lm-eval's full results, attached for W&B
 NON_RESULT_KEYS = (
     "paths", "force", "threads", "logger", "hydra", "experiment_name", "cache",
     "model.build",  # how a testbed is built, not what it computes
+    "eval.prefix_cache",  # lm-eval's scores with or without the shared-prefix cache
 )  # fmt: skip
 TRACKED_PACKAGES = (
     "torch",

@@ -26,7 +26,9 @@ def task_manager(metadata: dict):
 def wrap_model(cfg, prepared, max_length: int | None = None):
     from lm_eval.models.huggingface import HFLM
 
-    return HFLM(
+    from quantmla.evaluation.lm_eval.prefix_cache import PrefixCachedHFLM
+
+    return (PrefixCachedHFLM if cfg.eval.prefix_cache else HFLM)(
         pretrained=prepared.model,
         tokenizer=prepared.tokenizer,
         batch_size=cfg.eval.batch_size,
