@@ -207,6 +207,9 @@ def test_local_tasks_score_4_documents_on_the_tiny_model_and_reach_the_store(tmp
     assert m["acc/avg"] == pytest.approx(
         sum(m[f"acc/{n}"] for n in record["config"]["eval"]["tasks"]) / 6
     )
+    for name in ("hellaswag", "piqa", "arc_easy", "arc_challenge", "winogrande"):  # log-likelihood
+        assert m[f"tokens_median/{name}"] > 1 and 0 <= m[f"beyond_protected/{name}"] <= 100
+    assert "tokens_median/gsm8k" not in m  # generated: no log-likelihood requests
     assert [r["metrics"]["acc/avg"] for r in load_records(tmp_path)] == [m["acc/avg"]]
 
 

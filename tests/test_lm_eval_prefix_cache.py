@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from quantmla import patch_model
 from quantmla.evaluation.lm_eval.prefix_cache import shared_prefix
+from quantmla.evaluation.lm_eval.runner import prompt_metrics
 from tests.conftest import TINY_MLA, needs_tiny
 
 
@@ -16,6 +17,16 @@ def test_shared_prefix():
     assert shared_prefix([1, 2], [1, 2, 3]) == 2
     assert shared_prefix([], [1]) == 0
     assert shared_prefix([7], [1]) == 0
+
+
+def test_prompt_metrics_count_requests_past_the_protected_tokens():
+    lengths = {"arc": [100, 140, 300], "mmlu_a": [133], "mmlu_b": [132], "other": [999]}
+    assert prompt_metrics(["arc"], lengths, 132) == {
+        "tokens_median": 140.0,
+        "beyond_protected": 200 / 3,
+    }
+    assert prompt_metrics(["mmlu", "mmlu_a", "mmlu_b"], lengths, 132)["beyond_protected"] == 50
+    assert prompt_metrics(["gsm8k"], lengths, 132) == {}
 
 
 def few_shot_requests(vocab: int) -> list[tuple]:

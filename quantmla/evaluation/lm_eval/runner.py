@@ -98,8 +98,9 @@ def run_lm_eval(cfg, prepared, specs: list[str], metadata: dict, limit=None, max
         logging.ERROR
     )  # a custom_dataset notice per task
     ev = cfg.eval
-    return simple_evaluate(
-        model=wrap_model(cfg, prepared, max_length),
+    lm = wrap_model(cfg, prepared, max_length)
+    results = simple_evaluate(
+        model=lm,
         tasks=specs,
         limit=limit,
         task_manager=task_manager(metadata),
@@ -113,6 +114,27 @@ def run_lm_eval(cfg, prepared, specs: list[str], metadata: dict, limit=None, max
         torch_random_seed=cfg.seed,
         fewshot_random_seed=1234,  # lm-eval's default: identical few-shot draws across methods
     )
+    if getattr(lm, "request_tokens", None):
+        results[REQUEST_TOKENS] = lm.request_tokens
+    return results
+
+
+REQUEST_TOKENS = "quantmla/request_tokens"  # per lm-eval task: each log-likelihood request's tokens
+
+
+def prompt_metrics(names: list[str], lengths: dict[str, list[int]], protected: int) -> dict:
+    """`tokens_median/<task>` and `beyond_protected/<task>` (% of the task's log-likelihood
+    requests with more input tokens than the `protected` sink + recent: quantized, their scores
+    read dequantized keys) over lm-eval task `names` (a group's subtasks); {} without requests."""
+    import statistics
+
+    tokens = [n for name in names for n in lengths.get(name, [])]
+    if not tokens:
+        return {}
+    return {
+        "tokens_median": float(statistics.median(tokens)),
+        "beyond_protected": 100 * sum(n > protected for n in tokens) / len(tokens),
+    }
 
 
 def logs_to_wandb(cfg) -> bool:
@@ -146,6 +168,8 @@ def evaluate(cfg, prepared) -> dict:
         limit=ev.limit,
     )
     metrics: dict = {"lm_eval/version": lm_eval.__version__, "lm_eval/limit": ev.limit}
+    lengths = results.pop(REQUEST_TOKENS, {})
+    protected = prepared.policy.sink + prepared.policy.recent
     for t in tasks:
         key = t.result_key(data)
         row = results["results"][key]
@@ -165,6 +189,9 @@ def evaluate(cfg, prepared) -> dict:
                 if name in results.get("group_subtasks", {}).get(key, [])
             )
         metrics[f"n/{t.name}"] = int(n)
+        names = [key, *results.get("group_subtasks", {}).get(key, [])]
+        for name, value in prompt_metrics(names, lengths, protected).items():
+            metrics[f"{name}/{t.name}"] = value
     metrics["acc/avg"] = sum(metrics[f"acc/{t.name}"] for t in tasks) / len(tasks)
     return attach_results(cfg, metrics, results)
 
