@@ -113,7 +113,8 @@ def test_the_serving_backends_cuda_path_equals_its_cpu_path(precision):
         storage = torch.zeros(200, lay.page_bytes(), dtype=torch.uint8, device=device)
         write_packed(storage, lay, slots.to(device), c.to(device), k.to(device), kernel)
         args = [t.to(device) for t in (q, qr)] + [0.1, table.to(device), lens.to(device), lay]
-        out[device] = decode_latent(*args, storage, prot.to(device), kernel).cpu()
+        held = torch.arange(3, device=device)  # each request's protection slot
+        out[device] = decode_latent(*args, storage, prot.to(device), held, kernel).cpu()
         if device == "cpu":
             packed = storage
         else:

@@ -58,6 +58,30 @@ def test_cpu_decode_equals_the_float64_reference(precision, page_tokens, decode)
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("decode", _paths(decode_packed, decode_packed_torch))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_reads_protection_rows_of_a_buffer_by_slot(decode, dtype):
+    """An engine's protection table read in place (slot per request, float32 or bfloat16) gives
+    the decode of the same rows stacked per request."""
+    lay = small_layout("c4r4", sink=4, recent=24, page_tokens=16)
+    lengths = [3, 28, 100, 161]
+    pool = filled_pool(lay, lengths, seed=3)
+    table, lens, prot = stacked_inputs(pool, list(range(len(lengths))))
+    prot = prot.to(dtype)
+    slots = torch.tensor([5, 0, 2, 6])
+    buffer = torch.randn(7, *prot.shape[1:]).to(dtype)  # other slots: other requests' rows
+    buffer[slots] = prot
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(len(lengths), 4, lay.d_c, generator=gen)
+    qr = torch.randn(len(lengths), 4, lay.d_r, generator=gen)
+    args = dict(q_lat=q, q_rope=qr, scaling=0.09, table=table, lens=lens, layout=lay,
+                storage=pool.storage)  # fmt: skip
+    got, lse = decode(**args, prot=buffer, prot_slots=slots)
+    want, want_lse = decode_packed_torch(**args, prot=prot.float())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
 def test_dequantized_pages_are_the_readers_values():
     lay = small_layout("c4r4", page_tokens=16)
     pool = filled_pool(lay, [50, 7])
@@ -119,9 +143,10 @@ def test_the_backends_triton_and_torch_paths_agree_on_engine_tensors(precision):
     assert torch.equal(stores["torch"], stores["triton"])
     lens = torch.tensor(lengths, dtype=torch.int32)
     q, qr = torch.randn(3, 4, 128, generator=gen), torch.randn(3, 4, 64, generator=gen)
-    prot = torch.randn(3, 28, 192, generator=gen).to(torch.bfloat16)
+    buffer = torch.randn(5, 28, 192, generator=gen).to(torch.bfloat16)  # an engine's table
+    held = torch.tensor([3, 0, 4])  # each request's slot
     got = {
-        kernel: decode_latent(q, qr, 0.1, table, lens, lay, stores["torch"], prot, kernel)
+        kernel: decode_latent(q, qr, 0.1, table, lens, lay, stores["torch"], buffer, held, kernel)
         for kernel in ("torch", "triton")
     }
     torch.testing.assert_close(got["triton"], got["torch"], rtol=1e-4, atol=1e-4)

@@ -21,7 +21,7 @@ def test_rows_follow_the_pool_rule_through_prefill_and_decode():
     for t in range(25, 40):
         slots = table.assign([7], [t])
         table.write_next(slots, [t], rows[t : t + 1])
-    held = table.rows(torch.tensor([slot]))[0]
+    held = table.buffer[slot]
     for pos in protected_positions(40, 4, 8).nonzero().flatten().tolist():
         where = pos if pos < 4 else 4 + pos % 8
         assert torch.equal(held[where], rows[pos])

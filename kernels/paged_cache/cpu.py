@@ -89,36 +89,44 @@ def _query(q_lat, q_rope) -> torch.Tensor:
 
 
 def decode_packed(
-    *, q_lat, q_rope, scaling, table, lens, layout: CacheLayout, storage, prot=None
+    *, q_lat, q_rope, scaling, table, lens, layout: CacheLayout, storage, prot=None, prot_slots=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o (B, H, d_c) float32, lse (B, H)) over packed pages (all but the protected tokens) and
-    the stacked protection rows `prot` (B, sink + recent, d_c + d_r): the C++ op's fused pass
-    (each page dequantized into a small buffer and folded into an online softmax) where it is
-    built, else `decode_packed_torch`."""
+    the protection rows: `prot` (B, sink + recent, d_c + d_r), or with `prot_slots` (B,) a
+    buffer (slots, sink + recent, d_c + d_r) whose row prot_slots[b] is request b's (an engine's
+    table, read in place). The C++ op's fused pass (each page dequantized into a small buffer and
+    folded into an online softmax; float32 or bfloat16 protection rows) where it is built, else
+    `decode_packed_torch`."""
     if storage.device.type != "cpu" or not native.available():
         return decode_packed_torch(q_lat=q_lat, q_rope=q_rope, scaling=scaling, table=table,
-                                   lens=lens, layout=layout, storage=storage, prot=prot)  # fmt: skip
+                                   lens=lens, layout=layout, storage=storage, prot=prot,
+                                   prot_slots=prot_slots)  # fmt: skip
     check_packable(layout)
     t = lens.to(torch.int64)
     protected = layout.quantized and prot is not None
     lo = torch.full_like(t, layout.sink) if protected else torch.zeros_like(t)
     hi = torch.maximum(lo, t - layout.recent) if protected else t
-    q = _query(q_lat, q_rope)
-    rows, valid = torch.empty(0), torch.empty(0, dtype=torch.bool)
+    rows, slots = torch.empty(0), torch.empty(0, dtype=torch.int64)
     if protected:
-        _, valid = _protected_positions(lens, layout.sink, layout.recent, prot.shape[1])
-        rows, valid = prot.float().contiguous(), valid.contiguous()
+        if prot_slots is None:
+            slots = torch.arange(prot.shape[0])
+        else:
+            slots = prot_slots.to(torch.int64)
+        rows = prot if prot.dtype in (torch.float32, torch.bfloat16) else prot.float()
     return native.native_decode(storage, layout, table.to(torch.int64).contiguous(), lo.contiguous(),
-                                hi.contiguous(), q, rows, valid, scaling)  # fmt: skip
+                                hi.contiguous(), _query(q_lat, q_rope), rows.contiguous(),
+                                slots.contiguous(), t.contiguous(), scaling)  # fmt: skip
 
 
 def decode_packed_torch(
-    *, q_lat, q_rope, scaling, table, lens, layout: CacheLayout, storage, prot=None
+    *, q_lat, q_rope, scaling, table, lens, layout: CacheLayout, storage, prot=None, prot_slots=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_packed` in torch: the batch's pages dequantized to rows (zero outside the packed
     region, whose bytes may be stale), then the row math of `decode_rows_torch` with the
     protected rows in the same softmax."""
     check_packable(layout)
+    if prot is not None and prot_slots is not None:
+        prot = prot.index_select(0, prot_slots.to(prot.device))
     n_pages = max(1, math.ceil(int(lens.max()) / layout.page_tokens))
     pos = torch.arange(n_pages * layout.page_tokens, device=lens.device)[None, :]
     t = lens.to(torch.int64)[:, None]

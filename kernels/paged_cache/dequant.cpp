@@ -332,13 +332,43 @@ std::tuple<at::Tensor, at::Tensor> merge(const std::vector<Task>& tasks, const a
   return {o, lse};
 }
 
+// a request's protection rows: row r of buffer slot `slots[b]` (float32 or bfloat16), valid where
+// the ring rule of `cpu._protected_positions` places a cached position (sinks at r < sink, every
+// later token at sink + pos % recent, the last `recent` of them held)
+struct Protection {
+  const void* rows = nullptr;  // (slots, held, width)
+  bool bf16 = false;
+  const int64_t* slots = nullptr;
+  const int64_t* lens = nullptr;
+  int64_t held = 0, sink = 0, recent = 1;
+
+  bool valid(int64_t b, int64_t r) const {
+    const int64_t last = lens[b] - 1;
+    int64_t pos = r;
+    if (r >= sink) {
+      const int64_t m = ((last - (r - sink)) % recent + recent) % recent;  // Python's modulo
+      pos = last - m;
+    }
+    return pos >= 0 && pos <= last && (r < sink || pos >= sink);
+  }
+
+  void load(int64_t b, int64_t r, int64_t width, float* out) const {
+    const int64_t at = (slots[b] * held + r) * width;
+    if (bf16) {
+      const c10::BFloat16* src = static_cast<const c10::BFloat16*>(rows) + at;
+      for (int64_t i = 0; i < width; ++i) out[i] = static_cast<float>(src[i]);
+    } else {
+      std::memcpy(out, static_cast<const float*>(rows) + at, width * sizeof(float));
+    }
+  }
+};
+
 // runs every task: `load(b, lo, count, rows)` fills rows for positions lo .. lo + count − 1 of
-// request b (within one page); protection rows come from `prot` (B, P, width) where `valid`
+// request b (within one page); a task with lo < 0 folds the request's protection rows
 template <class Load>
 std::tuple<at::Tensor, at::Tensor> decode_tasks(const std::vector<Task>& tasks, const at::Tensor& q,
-                                                const at::Tensor& prot, const at::Tensor& valid,
-                                                double scaling, int64_t d_c, int64_t page_tokens,
-                                                Load load) {
+                                                const Protection& prot, double scaling, int64_t d_c,
+                                                int64_t page_tokens, Load load) {
   const int64_t batch = q.size(0), heads = q.size(1), width = q.size(2), n = tasks.size();
   auto m = at::full({n, heads}, -INFINITY, q.options());
   auto l = at::zeros({n, heads}, q.options());
@@ -353,13 +383,10 @@ std::tuple<at::Tensor, at::Tensor> decode_tasks(const std::vector<Task>& tasks, 
                acc.data_ptr<float>() + i * heads * d_c};
       const float* qb = pq + task.b * heads * width;
       if (task.lo < 0) {  // protection rows
-        const int64_t rows_held = prot.size(1);
-        const float* pr = prot.data_ptr<float>() + task.b * rows_held * width;
-        const bool* ok = valid.data_ptr<bool>() + task.b * rows_held;
         int64_t count = 0;
-        for (int64_t r = 0; r < rows_held; ++r) {
-          if (!ok[r]) continue;
-          std::memcpy(rows.data() + count * width, pr + r * width, width * sizeof(float));
+        for (int64_t r = 0; r < prot.held; ++r) {
+          if (!prot.valid(task.b, r)) continue;
+          prot.load(task.b, r, width, rows.data() + count * width);
           if (++count == block) {
             fold(qb, heads, width, d_c, static_cast<float>(scaling), rows.data(), count, st, scores.data());
             count = 0;
@@ -408,10 +435,12 @@ void check_decode_inputs(const at::Tensor& table, const at::Tensor& lo, const at
 }
 
 // packed pages: positions [lo_b, hi_b) of each request from its pages, and its protection rows
+// (row b: buffer slot slots[b] of `prot` (slots, held, width), float32 or bfloat16; none if empty)
 std::tuple<at::Tensor, at::Tensor> decode_pages(const at::Tensor& storage, const at::Tensor& table,
                                                 const at::Tensor& lo, const at::Tensor& hi,
                                                 const at::Tensor& q, const at::Tensor& prot,
-                                                const at::Tensor& valid, double scaling,
+                                                const at::Tensor& slots, const at::Tensor& lens,
+                                                int64_t sink, int64_t recent, double scaling,
                                                 int64_t page_tokens, at::IntArrayRef content,
                                                 at::IntArrayRef rope) {
   TORCH_CHECK(storage.device().is_cpu() && storage.scalar_type() == at::kByte && storage.dim() == 2 &&
@@ -420,13 +449,23 @@ std::tuple<at::Tensor, at::Tensor> decode_pages(const at::Tensor& storage, const
   check_decode_inputs(table, lo, hi, q, page_tokens, storage.size(0));
   const PathInfo paths[2] = {path_info(content), path_info(rope)};
   TORCH_CHECK(paths[0].dim + paths[1].dim == q.size(2), "q's width is d_c + d_r");
-  const bool protection = prot.numel() > 0;
-  if (protection)
-    TORCH_CHECK(prot.scalar_type() == at::kFloat && prot.is_contiguous() && prot.dim() == 3 &&
-                    prot.size(0) == q.size(0) && prot.size(2) == q.size(2) &&
-                    valid.scalar_type() == at::kBool && valid.is_contiguous() &&
-                    valid.numel() == prot.size(0) * prot.size(1),
-                "prot: contiguous float32 (B, P, width); valid: bool (B, P)");
+  Protection protection;
+  const bool protect = prot.numel() > 0;
+  if (protect) {
+    TORCH_CHECK((prot.scalar_type() == at::kFloat || prot.scalar_type() == at::kBFloat16) &&
+                    prot.is_contiguous() && prot.dim() == 3 && prot.size(2) == q.size(2),
+                "prot: contiguous float32 or bfloat16 (slots, rows, width)");
+    for (const auto* t : {&slots, &lens})
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == q.size(0),
+                  "slots, lens: contiguous int64 (B,)");
+    TORCH_CHECK(sink >= 0 && recent >= 0 && sink + recent == prot.size(1),
+                "the protection buffer holds sink + recent rows");
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    for (int64_t b = 0; b < q.size(0); ++b)
+      TORCH_CHECK(slot[b] >= 0 && slot[b] < prot.size(0), "request ", b, ": slot ", slot[b], " outside the buffer");
+    protection = {prot.data_ptr(), prot.scalar_type() == at::kBFloat16, slot, lens.data_ptr<int64_t>(),
+                  prot.size(1), sink, std::max<int64_t>(recent, 1)};
+  }
   const int64_t* tab = table.data_ptr<int64_t>();
   const int64_t cols = table.size(1), page_bytes = storage.size(1);
   const int64_t *plo = lo.data_ptr<int64_t>(), *phi = hi.data_ptr<int64_t>();
@@ -437,7 +476,7 @@ std::tuple<at::Tensor, at::Tensor> decode_pages(const at::Tensor& storage, const
     for (int64_t t = 0; t < count; ++t)
       for (const auto& p : paths) dequantize_token(page, pos % page_tokens + t, p, rows + t * width);
   };
-  return decode_tasks(split(plo, phi, q.size(0), protection), q, prot, valid, scaling, paths[0].dim,
+  return decode_tasks(split(plo, phi, q.size(0), protect), q, protection, scaling, paths[0].dim,
                       page_tokens, load);
 }
 
@@ -455,7 +494,6 @@ std::tuple<at::Tensor, at::Tensor> decode_rows(const at::Tensor& pages, const at
   const int64_t cols = table.size(1);
   const int64_t width = q.size(2), page_stride = pages.stride(0), row_stride = pages.stride(1);
   const int64_t *plo = lo.data_ptr<int64_t>(), *phi = hi.data_ptr<int64_t>();
-  const auto none = at::empty({0}, q.options());
   const auto tasks = split(plo, phi, q.size(0), false);
   auto run = [&](const auto* base) {  // float32 or bfloat16 rows, read in place (a strided view)
     auto load = [&](int64_t b, int64_t pos, int64_t count, float* rows) {
@@ -463,7 +501,7 @@ std::tuple<at::Tensor, at::Tensor> decode_rows(const at::Tensor& pages, const at
       for (int64_t t = 0; t < count; ++t)
         for (int64_t i = 0; i < width; ++i) rows[t * width + i] = static_cast<float>(src[t * row_stride + i]);
     };
-    return decode_tasks(tasks, q, none, none, scaling, d_c, page_tokens, load);
+    return decode_tasks(tasks, q, Protection{}, scaling, d_c, page_tokens, load);
   };
   if (pages.scalar_type() == at::kFloat) return run(pages.data_ptr<float>());
   return run(pages.data_ptr<c10::BFloat16>());
@@ -480,7 +518,8 @@ TORCH_LIBRARY(quantmla, m) {
       "Tensor rope_rows, int page_tokens, int[] content, int[] rope) -> ()");
   m.def(
       "decode_pages(Tensor storage, Tensor table, Tensor lo, Tensor hi, Tensor q, Tensor prot, "
-      "Tensor valid, float scaling, int page_tokens, int[] content, int[] rope) -> (Tensor, Tensor)");
+      "Tensor slots, Tensor lens, int sink, int recent, float scaling, int page_tokens, int[] content, "
+      "int[] rope) -> (Tensor, Tensor)");
   m.def(
       "decode_rows(Tensor pages, Tensor table, Tensor lo, Tensor hi, Tensor q, float scaling, "
       "int d_c) -> (Tensor, Tensor)");

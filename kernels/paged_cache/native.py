@@ -87,14 +87,16 @@ def native_write(storage, layout: CacheLayout, pages, slots, c, k_r) -> None:
     )  # fmt: skip
 
 
-def native_decode(storage, layout: CacheLayout, table, lo, hi, q, prot, valid, scaling):
+def native_decode(storage, layout: CacheLayout, table, lo, hi, q, prot, slots, lens, scaling):
     """(o (B, H, d_c), lse (B, H)) of queries q (B, H, d_c + d_r) float32 over positions
     [lo_b, hi_b) of each request's packed pages (`table` (B, pages) int64) and, where `prot`
-    (B, P, width) float32 is not empty, its protection rows marked `valid` (B, P)."""
+    (slots, sink + recent, width) float32 or bfloat16 is not empty, the protection rows of buffer
+    slot `slots[b]` that hold a position of a `lens[b]`-token request (int64 (B,) both)."""
     content, rope = path_constants(layout)
     return _ops().decode_pages(
-        storage, table, lo, hi, q, prot, valid, float(scaling), layout.page_tokens, content, rope
-    )
+        storage, table, lo, hi, q, prot, slots, lens, layout.sink, layout.recent, float(scaling),
+        layout.page_tokens, content, rope,
+    )  # fmt: skip
 
 
 def native_decode_rows(pages, table, lo, hi, q, scaling, d_c: int):

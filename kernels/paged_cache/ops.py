@@ -108,18 +108,22 @@ def dequantize(storage, layout: CacheLayout, pages, workspace=None, kernel: str 
 
 
 def decode(
-    *, q_lat, q_rope, scaling, table, lens, layout: CacheLayout, storage, prot, kernel="auto"
-) -> tuple[torch.Tensor, torch.Tensor]:
+    *, q_lat, q_rope, scaling, table, lens, layout: CacheLayout, storage, prot, prot_slots=None,
+    kernel="auto",
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(o (B, H, d_c) float32, lse (B, H)) of one query token per request over its packed pages
-    (block table `table`, lengths `lens`) and its protection rows `prot` (B, sink + recent,
-    d_c + d_r)."""
+    (block table `table`, lengths `lens`) and its protection rows: `prot` (B, sink + recent,
+    d_c + d_r), or with `prot_slots` (B,) row prot_slots[b] of a buffer (slots, sink + recent,
+    d_c + d_r) (the CPU op reads it in place)."""
     args = dict(
         q_lat=q_lat, q_rope=q_rope, scaling=scaling, table=table.to(torch.int64), lens=lens,
         layout=layout, storage=storage, prot=prot,
     )  # fmt: skip
     if resolve(kernel, storage.device) == "triton":
+        if prot is not None and prot_slots is not None:
+            args["prot"] = prot.index_select(0, prot_slots.to(prot.device))
         return launch_decode(**args)
-    return cpu.decode_packed(**args)
+    return cpu.decode_packed(**args, prot_slots=prot_slots)
 
 
 def decode_pool(pool: PagePool, request_ids, q_lat, q_rope, scaling, kernel: str = "auto"):

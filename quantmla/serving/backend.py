@@ -295,7 +295,7 @@ class QuantMLAImpl(MLACommonImpl):
         self.protection.write_next(slots, cached, rows)
         out = decode_latent(
             q_lat, q_rope, self.scale, table, lens, self.layout,
-            page_storage(kv_c_and_k_pe_cache, self.layout), self.protection.rows(slots),
+            page_storage(kv_c_and_k_pe_cache, self.layout), self.protection.buffer, slots,
             self.served.kernel,
         )  # fmt: skip
         return out.to(q_lat.dtype), None

@@ -191,11 +191,12 @@ def row_reader(kv_cache, table_row, d_c: int):
     return read
 
 
-def decode_latent(q_lat, q_rope, scaling, table, lens, layout, storage, prot, kernel: str):
-    """(B, H, d_c) float32 softmax-weighted latent over packed pages + protection rows."""
+def decode_latent(q_lat, q_rope, scaling, table, lens, layout, storage, prot, slots, kernel: str):
+    """(B, H, d_c) float32 softmax-weighted latent over packed pages + protection rows (request
+    b's: row slots[b] of the table's buffer `prot`)."""
     return ops.decode(
         q_lat=q_lat, q_rope=q_rope, scaling=scaling, table=table, lens=lens, layout=layout,
-        storage=storage, prot=prot, kernel=kernel,
+        storage=storage, prot=prot, prot_slots=slots, kernel=kernel,
     )[0]  # fmt: skip
 
 

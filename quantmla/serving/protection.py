@@ -11,6 +11,8 @@ also packed, so a token leaving the window needs no rewrite (as `kernels/paged_c
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from quantmla.errors import QuantMLAError
@@ -82,36 +84,49 @@ class ProtectionTable:
 
     def write(self, slot: int, start: int, rows: torch.Tensor) -> None:
         """Rows of positions start.. start + n of one request (the sinks and its last `recent`)."""
-        n = rows.shape[0]
-        end = start + n
-        pos = torch.arange(start, end)
-        keep = kept_in_protection(pos, end, self.sink, self.recent)
-        where = protection_slots(pos[keep], self.sink, self.recent).to(self.buffer.device)
-        self.buffer[slot, where] = rows[keep.to(rows.device)].to(self.buffer.dtype)
-        self.tokens[slot] = end
+        keep, where = _write_plan(start, rows.shape[0], self.sink, self.recent)
+        self.buffer[slot, where.to(self.buffer.device)] = rows[keep.to(rows.device)].to(
+            self.buffer.dtype
+        )
+        self.tokens[slot] = start + rows.shape[0]
 
     def write_next(self, slots: torch.Tensor, positions: list[int], rows: torch.Tensor) -> None:
         """One new token per request (decode): row b at position `positions[b]` of slot b."""
-        pos = torch.tensor(positions)
-        keep = kept_in_protection(pos, pos + 1, self.sink, self.recent)
-        where = protection_slots(pos, self.sink, self.recent)
-        device = self.buffer.device
-        self.buffer[slots[keep].to(device), where[keep].to(device)] = rows[keep.to(rows.device)].to(
-            self.buffer.dtype
-        )
+        keep = [b for b, p in enumerate(positions) if p < self.sink or self.recent]
+        where = [
+            positions[b] if positions[b] < self.sink else self.sink + positions[b] % self.recent
+            for b in keep
+        ]
+        if keep:
+            index = torch.tensor(keep)
+            device = self.buffer.device
+            self.buffer[slots[index].to(device), torch.tensor(where, device=device)] = rows[
+                index.to(rows.device)
+            ].to(self.buffer.dtype)
         for slot, p in zip(slots.tolist(), positions):
             self.tokens[slot] = p + 1
 
     def held(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions, rows) the slot holds for its cached tokens, in position order: the sinks
         and the last `recent` (a chunked prefill's context rows; copies, safe to overwrite)."""
-        tokens = self.tokens[slot]
-        sinks = torch.arange(min(self.sink, tokens))
-        ring = torch.arange(min(tokens, max(self.sink, tokens - self.recent)), tokens)
-        pos = torch.cat([sinks, ring])
-        where = protection_slots(pos, self.sink, self.recent).to(self.buffer.device)
-        return pos, self.buffer[slot, where]
+        pos, where = _held_plan(self.tokens[slot], self.sink, self.recent)
+        return pos, self.buffer[slot, where.to(self.buffer.device)]
 
-    def rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """(B, sink + recent, width) the decode kernels read for these slots."""
-        return self.buffer.index_select(0, slots.to(self.buffer.device))
+
+# Index plans per (positions, sink, recent): every layer of an engine asks for the same ones in a
+# step, so they are built once (bounded: chunk boundaries and lengths repeat across requests).
+@lru_cache(maxsize=4096)
+def _write_plan(start: int, n: int, sink: int, recent: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(which of n new rows at start.. a buffer keeps, the buffer rows they go to)."""
+    pos = torch.arange(start, start + n)
+    keep = kept_in_protection(pos, start + n, sink, recent)
+    return keep.nonzero().flatten(), protection_slots(pos[keep], sink, recent)
+
+
+@lru_cache(maxsize=4096)
+def _held_plan(tokens: int, sink: int, recent: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions a `tokens`-long request's buffer holds in position order, their buffer rows)."""
+    sinks = torch.arange(min(sink, tokens))
+    ring = torch.arange(min(tokens, max(sink, tokens - recent)), tokens)
+    pos = torch.cat([sinks, ring])
+    return pos, protection_slots(pos, sink, recent)
