@@ -9,6 +9,7 @@ bold), "—" for a missing cell (never zero), and the paper's own numbers beside
     python -m analysis.tables table5 | table6 [--experiment tiny_table5_probes]   # operator analysis
     python -m analysis.tables frontier | frontier_pairs [--experiment tiny_frontier]   # issue #23
     python -m analysis.tables smol_testbed | smol_outliers | smol_rtn_cost              # issue #39
+    python -m analysis.tables smol_path_split    # the C2R4 baselines per path (issue #40)
     python -m analysis.tables claims             # the paper's claims on each testbed (issue #40)
 """
 
@@ -57,6 +58,8 @@ class Layout:
     columns: tuple[Column, ...]
     average: tuple[str, ...] = ()  # metrics whose equal-weight average is appended as "Avg"
     paper_table: str | None = None
+    also: tuple[str, ...] = ()  # other experiments whose records join this table's
+    precisions: tuple[str, ...] | None = None  # rows of these precisions only (None: all)
 
 
 def _task_columns(tasks, stderr: bool = False):
@@ -111,6 +114,14 @@ LAYOUTS = {
     "tiny_table1": Layout("tiny_table1", TINY, tuple(f"acc/{t}" for t in TINY_TASKS)),
     "tiny_table1_v2": Layout("tiny_table1_v2", TINY_V2),
     "smol_table1": Layout("smol_table1", SMOL, tuple(f"acc/{t}" for t in SMOL_FEWSHOT)),
+    # the C2R4 baselines with one path quantized (c2r16: content only, c16r4: RoPE only) beside
+    # both (the Table 1 twin's C2R4 rows)
+    "smol_path_split": Layout(
+        "smol_path_split",
+        TINY[:3],
+        also=("smol_table1",),
+        precisions=("bf16", "c2r4", "c2r16", "c16r4"),
+    ),  # fmt: skip
 }
 
 
@@ -124,6 +135,8 @@ def build(records: list[dict], layout: Layout, paper: dict | None = None) -> lis
     cells = {}
     for r in records:  # one cell may gather several jobs (perplexity + lm-eval suites)
         c = r["config"]
+        if layout.precisions is not None and c["precision"]["name"] not in layout.precisions:
+            continue
         key = (c["model"]["name"], c["precision"]["name"], c["method"]["name"])
         cells.setdefault(key, {}).update(r["metrics"])
     columns = list(layout.columns)
@@ -288,12 +301,15 @@ def main() -> None:
 
     experiment = args.experiment or default
     root = Path(args.results) if args.results else default_results_dir()
-    if args.source == "wandb":
-        from quantmla.tracking.wandb_mirror import load_records_from_wandb
+    also = () if args.table in STUDY_TABLES else LAYOUTS[args.table].also
+    records = []
+    for name in (experiment, *also):
+        if args.source == "wandb":
+            from quantmla.tracking.wandb_mirror import load_records_from_wandb
 
-        records = load_records_from_wandb(args.project, experiment, args.entity)
-    else:
-        records = load_records(root, experiment)
+            records += load_records_from_wandb(args.project, name, args.entity)
+        else:
+            records += load_records(root, name)
     if not records:
         where = f"W&B group {experiment!r}" if args.source == "wandb" else root / experiment
         sys.exit(

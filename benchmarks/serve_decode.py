@@ -59,8 +59,8 @@ def op_case(name, context, batch, rounds, reps, device, kernel) -> list[dict]:
         # the engine's protection table: one slot per request, read in place
         prot = torch.randn(batch, 132, d_c + d_r, generator=gen).to(device, torch.bfloat16)
         held = torch.arange(batch, device=device)
-        variants[precision] = lambda layout=layout, storage=storage, prot=prot: decode_latent(
-            q, qr, 0.1, table, lens, layout, storage, prot, held, kernel
+        variants[precision] = lambda layout=layout, storage=storage, prot=prot, held=held: (
+            decode_latent(q, qr, 0.1, table, lens, layout, storage, prot, held, kernel)
         )
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times = {v: [] for v in variants}

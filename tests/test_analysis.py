@@ -74,6 +74,17 @@ def test_tiny_table_lower_is_better_merges_jobs_and_averages_only_tasks():
     assert [r[1] for r in rows[1:]][0] == "BF16"
 
 
+def test_path_split_keeps_its_precisions_beside_the_table1_rows():
+    records = [
+        record("smol_mla", p, m, **{"ppl/wikitext2": ppl})
+        for p, m, ppl in [("bf16", "rtn", 20.0), ("c2r4", "quarot", 24.0), ("c4r4", "rtn", 21.0),
+                          ("c2r16", "quarot", 23.0), ("c16r4", "quarot", 20.5)]
+    ]  # fmt: skip
+    rows = build(records, LAYOUTS["smol_path_split"])
+    assert list(dict.fromkeys(r[1] for r in rows[1:])) == ["BF16", "C2R4", "C16R4", "C2R16"]
+    assert LAYOUTS["smol_path_split"].also == ("smol_table1",)
+
+
 def test_fig4_and_fig5b_draw_from_records(tmp_path):
     from analysis.figures import fig4, fig5b
 
