@@ -254,10 +254,12 @@ class LongcatFlashNgramModel(flash.LongcatFlashModel):
 
 def drop_zero_expert_weights(experts: nn.Module) -> None:
     """transformers 5.24 allocates `gate_up_proj` for routed + zero experts; only routed ones have
-    weights (the forward never reads the others), so the published checkpoint's experts fit."""
+    weights (the forward never reads the others), so the published checkpoint's experts fit.
+    (5.25 allocates the routed ones only and names their count `num_experts`: nothing to drop.)"""
     gate_up = experts.gate_up_proj
-    if gate_up is not None and gate_up.shape[0] > experts.num_routed_experts:
-        kept = gate_up.detach()[: experts.num_routed_experts].clone()  # keeps their initialisation
+    routed = getattr(experts, "num_routed_experts", None) or getattr(experts, "num_experts", None)
+    if gate_up is not None and routed is not None and gate_up.shape[0] > routed:
+        kept = gate_up.detach()[:routed].clone()  # keeps their initialisation
         experts.gate_up_proj = nn.Parameter(kept)
 
 
