@@ -92,17 +92,14 @@ class ProtectionTable:
 
     def write_next(self, slots: torch.Tensor, positions: list[int], rows: torch.Tensor) -> None:
         """One new token per request (decode): row b at position `positions[b]` of slot b."""
-        keep = [b for b, p in enumerate(positions) if p < self.sink or self.recent]
-        where = [
-            positions[b] if positions[b] < self.sink else self.sink + positions[b] % self.recent
-            for b in keep
-        ]
-        if keep:
-            index = torch.tensor(keep)
+        pos = torch.tensor(positions)
+        keep = kept_in_protection(pos, pos + 1, self.sink, self.recent).nonzero().flatten()
+        if keep.numel():
             device = self.buffer.device
-            self.buffer[slots[index].to(device), torch.tensor(where, device=device)] = rows[
-                index.to(rows.device)
-            ].to(self.buffer.dtype)
+            where = protection_slots(pos[keep], self.sink, self.recent).to(device)
+            self.buffer[slots[keep].to(device), where] = rows[keep.to(rows.device)].to(
+                self.buffer.dtype
+            )
         for slot, p in zip(slots.tolist(), positions):
             self.tokens[slot] = p + 1
 
