@@ -39,9 +39,12 @@ class ModelConfig:
 
 MIXED_FIELDS = (
     "budget_bytes", "candidates", "allocation_error", "sensitivity_experiment", "allocation_windows",
-    "joint_top",
+    "joint_top", "allocation_method",
 )  # fmt: skip
 ALLOCATION_ERRORS = ("response", "output", "loss")
+ALLOCATION_METHODS = ("job", "rtn")
+# mixed fields added after mixed records existed: left out of a record at their default (same hash)
+MIXED_HASH_NEUTRAL = {"allocation_method": "job"}
 MIXED_CANDIDATES = (
     "c2r2", "c2r4", "c3r4", "c4r2", "c4r4", "c4r8", "c8r4", "c8r8", "c2r16", "c4r16", "ce4m3r16", "bf16",
 )  # fmt: skip
@@ -81,6 +84,12 @@ class PrecisionConfig:
         1,
         "mixed: the error model's k best allocations are run whole on the allocation windows and "
         "the one with the lowest next-token KL to BF16 is taken (1: the error model's optimum)",
+    )
+    allocation_method: str = opt(
+        "job",
+        "mixed: the method the candidates' errors are measured under: job (the job's own at every "
+        "candidate; QuantMLA calibrates once per candidate) | rtn (no transforms; the job's method "
+        "then calibrates once, at the chosen allocation)",
     )
 
 

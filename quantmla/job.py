@@ -58,12 +58,13 @@ def narrow_eval(config: dict) -> dict:
 def narrow_precision(config: dict) -> dict:
     """A resolved config dict whose `precision` block keeps the mixed-only fields only when
     precision.name=mixed (every single-format record keeps its hash)."""
-    from quantmla.config import MIXED_FIELDS
+    from quantmla.config import MIXED_FIELDS, MIXED_HASH_NEUTRAL
     from quantmla.policy import MIXED
 
     block = config["precision"]
     if block.get("name") == MIXED:
-        return config
+        neutral = MIXED_HASH_NEUTRAL.items()
+        return {**config, "precision": {k: v for k, v in block.items() if (k, v) not in neutral}}
     return {**config, "precision": {k: v for k, v in block.items() if k not in MIXED_FIELDS}}
 
 

@@ -21,7 +21,7 @@ from quantmla.allocation import Allocation, best_allocations, format_bytes, pred
 from quantmla.attention import attention_output, protected_mask
 from quantmla.calibration.context import CalibrationContext
 from quantmla.calibration.objectives import content_qdq, rope_qdq
-from quantmla.config import ALLOCATION_ERRORS
+from quantmla.config import ALLOCATION_ERRORS, ALLOCATION_METHODS
 from quantmla.errors import ConfigError, DataNotFoundError
 from quantmla.metrics import nmse
 from quantmla.models.capture import capture_inputs
@@ -79,6 +79,8 @@ def check(job) -> None:
         raise ConfigError("precision.joint_top", p.joint_top, ">= 1 (1: no joint check)")
     if p.allocation_error not in ALLOCATION_ERRORS:
         raise ConfigError("precision.allocation_error", p.allocation_error, ALLOCATION_ERRORS)
+    if p.allocation_method not in ALLOCATION_METHODS:
+        raise ConfigError("precision.allocation_method", p.allocation_method, ALLOCATION_METHODS)
     if job.cfg.method.artifact:
         raise ConfigError(
             "method.artifact", job.cfg.method.artifact,
@@ -297,7 +299,8 @@ def joint_kl(model, adapter, modules, results: dict, allocations, windows, batch
 
 
 def candidate_results(job, model, adapter, modules, tokenizer, specs: dict) -> dict:
-    """The job's method at every candidate format, uniform over layers: None for RTN and BF16,
+    """The job's method at every candidate format, uniform over layers: None for RTN and BF16
+    (and for every candidate with `allocation_method=rtn`),
     QuaRot†'s fixed rotation, or SmoothQuant†/QuantMLA artifacts (loaded, or calibrated once and
     kept: uniform jobs at that format share them). Layers calibrate independently, so layer ℓ's
     transforms at format f are the ones a mixed calibration gives it at f."""
@@ -305,7 +308,10 @@ def candidate_results(job, model, adapter, modules, tokenizer, specs: dict) -> d
 
     results = {}
     for i, (name, spec) in enumerate(specs.items()):
-        if job.cfg.method.name == "rtn" or not spec.quantized:
+        if (
+            "rtn" in (job.cfg.method.name, job.cfg.precision.allocation_method)
+            or not spec.quantized
+        ):
             results[name] = None
             continue
         print(f"[quantmla] mixed: {job.cfg.method.name} at candidate {name} ({i + 1}/{len(specs)})")
@@ -409,7 +415,10 @@ def allocate_for_job(job, model, adapter, modules, tokenizer) -> tuple[Allocatio
         f"[quantmla] mixed allocation at {p.budget_bytes:g} B/token: {', '.join(allocation.precisions)} "
         f"({allocation.bytes_per_token:g} B/token, predicted Σ error ({p.allocation_error}) {allocation.predicted:.3e})"
     )
-    report = {"candidates": measured.candidates, "error_model": p.allocation_error, **inputs}
+    report = {
+        "candidates": measured.candidates, "error_model": p.allocation_error,
+        "measured_under": p.allocation_method, **inputs,
+    }  # fmt: skip
     report.update(
         **choice,
         predicted_errors=errors.tolist(),

@@ -110,6 +110,36 @@ def test_mixed_record_and_single_format_hashes(sensitivity_store):
 
 
 @needs_tiny
+def test_allocation_under_rtn_calibrates_the_method_once_at_the_allocation(
+    sensitivity_store, tmp_path
+):
+    from quantmla.job import resolve
+    from quantmla.prepare import prepare
+
+    artifacts = tmp_path / "artifacts"
+    under_rtn = [*MIXED, *SMALL_QUANTMLA, "precision.allocation_method=rtn"]
+    job = resolve(
+        run_config(*tiny_job(sensitivity_store, *under_rtn, f"paths.artifacts_dir={artifacts}"))
+    )
+    m = prepare(job).metrics
+    rtn = prepare(resolve(run_config(*tiny_job(sensitivity_store, *MIXED)))).metrics
+    # the candidates' errors are RTN's, so the allocation is the RTN mixed job's
+    assert m["allocation/measured_under"] == "rtn"
+    assert m["allocation/predicted_errors"] == rtn["allocation/predicted_errors"]
+    assert m["allocation/precisions"] == rtn["allocation/precisions"]
+    # and QuantMLA calibrated once, at that allocation, not at each candidate
+    saved = list((artifacts / "quantmla").glob("*.safetensors"))
+    assert len(saved) == 1
+    assert m["method/report"]["seconds_fit"] > 0
+    # the field is in the record only away from its default (mixed records made before keep their hash)
+    assert job.config["precision"]["allocation_method"] == "rtn"
+    assert (
+        "allocation_method"
+        not in resolve(run_config(*tiny_job(sensitivity_store, *MIXED))).config["precision"]
+    )
+
+
+@needs_tiny
 @pytest.mark.parametrize(
     ("overrides", "error", "named"),
     [
@@ -120,6 +150,7 @@ def test_mixed_record_and_single_format_hashes(sensitivity_store):
         (["eval=sensitivity"], ConfigError, "perplexity"),
         (["precision.allocation_error=kl"], ConfigError, "precision.allocation_error"),
         (["precision.joint_top=0"], ConfigError, "precision.joint_top"),
+        (["precision.allocation_method=quantmla"], ConfigError, "precision.allocation_method"),
         (["method=quantmla", "method.artifact=x.safetensors"], ConfigError, "method.artifact"),
     ],
 )
