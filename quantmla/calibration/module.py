@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from quantmla.calibration.context import CalibrationContext
-from quantmla.calibration.objectives import content_qdq, layer_output, positional_qk_loss, rope_qdq
+from quantmla.calibration.objectives import content_qdq, layer_output, positional_qk_loss
 from quantmla.config import CalibrationConfig
 from quantmla.metrics import nmse
 from quantmla.spec import QuantizerSpec, layer_spec
@@ -110,9 +110,8 @@ class QuantMLACalibration(L.LightningModule):
             ste=ste,
         )
         content = nmse(layer_output(module, self.ctx.adapter, proj, c=c_hat), y)
-        rope = params.rope()
-        layout = self._layout(layer)
-        q_hat, k_hat = rope_qdq(
+        rope, layout = params.rope(), self._layout(layer)
+        return content, positional_qk_loss(
             proj.q_rot,
             proj.k_rot,
             rope.key_matrix(layout).to(proj.k_rot),
@@ -120,7 +119,6 @@ class QuantMLACalibration(L.LightningModule):
             layer_spec(self.spec, layer),
             ste=ste,
         )
-        return content, positional_qk_loss(q_hat, k_hat, proj.q_rot, proj.k_rot)
 
     def training_step(self, index, _):
         total = 0.0

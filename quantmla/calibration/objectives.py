@@ -9,6 +9,7 @@ what the fused model computes (fusion equivalence is tested separately).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from quantmla.attention import attention_output, causal_regions
 from quantmla.metrics import ENERGY_FLOOR
@@ -31,14 +32,35 @@ def rope_qdq(q_rot, k_rot, key_matrix, query_matrix, spec: QuantizerSpec, ste: b
     return q_rot @ query_matrix, qdq_rope(spec, k_rot @ key_matrix, ste=ste)
 
 
-def positional_qk_loss(q_hat, k_hat, q_rot, k_rot) -> torch.Tensor:
-    """Σ_{h, j ≤ t} (Q̃ K̂ᵀ − Q Kᵀ)² / max(Σ (Q Kᵀ)², 1e-8): the full positional score matrix."""
-    n = q_rot.shape[-2]
-    causal = torch.ones(n, n, dtype=torch.bool, device=q_rot.device).tril()
-    teacher = torch.einsum("bhnr,btr->bhnt", q_rot.float(), k_rot.float())
-    student = torch.einsum("bhnr,btr->bhnt", q_hat.float(), k_hat.float())
-    err = (student - teacher).pow(2).masked_fill(~causal, 0).sum()
-    return err / teacher.pow(2).masked_fill(~causal, 0).sum().clamp_min(ENERGY_FLOOR)
+def causal_score_energy(a: torch.Tensor, b: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """Σ over heads and causal pairs j ≤ t of (a_t · b_j)², a (B, H, n, r), b (B, n, r), without the
+    (n, n) score matrix: each block of queries meets all earlier keys through their Gram matrix
+    Σ b_j b_jᵀ (n·r² work), its own block directly."""
+    work = torch.promote_types(a.dtype, torch.float32)
+    heads, pad = a.shape[1], -a.shape[-2] % block  # zero rows add nothing
+    b = F.pad(b.to(work), (0, 0, 0, pad)).unflatten(-2, (-1, block))  # (B, blocks, m, r)
+    a = F.pad(a.to(work), (0, 0, 0, pad)).unflatten(-2, (-1, block))  # (B, H, blocks, m, r)
+    a = a.transpose(1, 2).flatten(2, 3)  # (B, blocks, H·m, r): every head's queries of a block
+    gram = (b.transpose(-1, -2) @ b).cumsum(1)  # keys of blocks ≤ k
+    earlier = torch.cat([torch.zeros_like(gram[:, :1]), gram[:, :-1]], 1)
+    across = ((a @ earlier) * a).sum()
+    within = (a @ b.transpose(-1, -2)).unflatten(2, (heads, block))  # (B, blocks, H, m, m)
+    causal = torch.ones(block, block, dtype=torch.bool, device=a.device).tril()
+    return across + within.pow(2).masked_fill(~causal, 0).sum()
+
+
+def positional_qk_loss(q_rot, k_rot, key_matrix, query_matrix, spec: QuantizerSpec, ste=False):
+    """Σ_{h, j ≤ t} (Q̃ K̂ᵀ − Q Kᵀ)² / max(Σ_{h, j ≤ t} (Q Kᵀ)², floor) over the full causal positional
+    score matrix, Q̃ = Q M_Q and K̂ = Q(K M_K). As M_Q M_Kᵀ = I, the error is Q̃ (K̂ − K M_K)ᵀ: the
+    transformed key's quantization error scored by the transformed query (the same function of the
+    transforms, so the same value and gradient), summed in O(n·d_r²) by `causal_score_energy`."""
+    if spec.rope_bits >= UNQUANTIZED_BITS:
+        return q_rot.new_zeros(())
+    q_hat, k_hat = rope_qdq(q_rot, k_rot, key_matrix, query_matrix, spec, ste)
+    error = causal_score_energy(q_hat, k_hat - k_rot @ key_matrix)
+    with torch.no_grad():
+        energy = causal_score_energy(q_rot, k_rot)
+    return error / energy.clamp_min(ENERGY_FLOOR)
 
 
 def layer_output(module, adapter, proj, c=None, q_rot=None, k_rot=None) -> torch.Tensor:
