@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from analysis import claims, frontier, probes, sensitivity, testbed, throughput
+from analysis import claims, costs, frontier, probes, sensitivity, testbed, throughput
 from analysis.common import add_wandb_arguments, default_results_dir, output_name, wandb_logger
 from quantmla.methods.registry import METHODS
 from quantmla.tracking.store import load_records
@@ -241,6 +241,7 @@ def study_tables(paper: dict) -> dict:
         "smol_outliers": (testbed.outlier_rows, "smol_testbed"),
         "smol_rtn_cost": (testbed.rtn_cost_rows, "smol_rtn_cost"),
         "claims": (claims.claims_rows, ""),  # every experiment's records
+        "smol_costs": (costs.cost_rows, ""),
         "fig5c_sweep": (
             lambda records: throughput.sweep_rows(records, paper["fig5c_throughput"]["c4r4"]),
             "fig5c_throughput",
@@ -250,7 +251,7 @@ def study_tables(paper: dict) -> dict:
 
 STUDY_TABLES = (
     "table4", "table5", "table6", "allocation", "frontier", "frontier_pairs", "fig5c_sweep",
-    "smol_testbed", "smol_outliers", "smol_rtn_cost", "claims",
+    "smol_testbed", "smol_outliers", "smol_rtn_cost", "claims", "smol_costs",
 )  # fmt: skip
 
 

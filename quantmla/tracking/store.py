@@ -128,6 +128,8 @@ def machine() -> dict[str, Any]:
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        # runnable threads over the last 15 min at the end of the job: above `cpus`, it shared them
+        "load_15m": os.getloadavg()[2] if hasattr(os, "getloadavg") else None,
     }
 
 
