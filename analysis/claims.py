@@ -20,6 +20,7 @@ TESTBEDS = {
     "tiny-mla-v2": {
         "model": "tiny_mla_v2",
         "table1": "tiny_table1_v2",
+        "path_split": "tiny_path_split",
         "sensitivity": "tiny_fig2_sensitivity",
         "ruler": "tiny_fig4_ruler_v2",
         "throughput": "tiny_fig5c_paper_regime",
@@ -28,6 +29,7 @@ TESTBEDS = {
     "SmolLM2-MLA": {
         "model": "smol_mla",
         "table1": "smol_table1",
+        "path_split": "smol_path_split",
         "sensitivity": "smol_fig2_sensitivity",
         "ruler": "smol_fig4_ruler",
         "throughput": "smol_fig5c_throughput",
@@ -52,7 +54,8 @@ class Claim:
     text: str
     paper: str
     source: str  # the TESTBEDS key whose experiment it reads
-    measure: Callable[[list[dict], str], Verdict]
+    measure: Callable[..., Verdict]  # (records, experiment[, records of `also`])
+    also: str | None = None  # a second TESTBEDS key whose records explain a verdict
 
 
 def _of(records: list[dict], experiment: str, model: str) -> list[dict]:
@@ -104,13 +107,41 @@ def c2r4_margin(records, experiment) -> Verdict:
     return Verdict(value, ok, "" if ok else f"{LABEL[best]} is lower")
 
 
-def ranking(records, experiment) -> Verdict:
+def ranking(records, experiment, split=()) -> Verdict:
     ppl = {m: _ppl(records, "c2r4", m) for m in (*BASELINES, "quantmla")}
     if None in ppl.values():
         return _missing(experiment)
     order = sorted(ppl, key=ppl.get, reverse=True)  # worst first, as the paper lists them
     ok = order == [*BASELINES, "quantmla"]
-    return Verdict(" < ".join(LABEL[m] for m in order), ok, "" if ok else "a different order")
+    value = " < ".join(LABEL[m] for m in order)
+    return Verdict(value, ok, "" if ok else "a different order" + _per_path(split, order))
+
+
+SPLIT = (("c2r16", "content alone (C2R16)"), ("c16r4", "RoPE alone (C16R4)"))
+
+
+def _per_path(split: list[dict], order: list[str]) -> str:
+    """Where two baselines out of the paper's order differ, each path quantized alone: the
+    measurement that says which path puts them in our order (path-split records)."""
+    paper = [*BASELINES, "quantmla"]
+    swapped = [
+        (a, b) for i, a in enumerate(paper) for b in paper[i + 1 :]
+        if b in BASELINES and order.index(a) > order.index(b)
+    ]  # fmt: skip
+    if not swapped:
+        return ""
+    a, b = swapped[0]  # the paper has a below b; here a is ahead
+    gaps, parts = {}, []
+    for precision, label in SPLIT:
+        pa, pb = _ppl(split, precision, a), _ppl(split, precision, b)
+        if pa is None or pb is None:
+            return f"; per path: no `{precision}` records for {LABEL[a]} and {LABEL[b]}"
+        gaps[label] = pb - pa
+        parts.append(f"{label} {LABEL[a]} {pa:.2f} vs {LABEL[b]} {pb:.2f}")
+    carrier = max(gaps, key=lambda k: gaps[k])
+    if gaps[carrier] <= 0:
+        return f"; {'; '.join(parts)} (ppl): neither path alone puts {LABEL[a]} ahead"
+    return f"; {'; '.join(parts)} (ppl): {carrier.split(' (')[0]} puts {LABEL[a]} ahead"
 
 
 def rope_more_sensitive(records, experiment) -> Verdict:
@@ -176,7 +207,7 @@ CLAIMS = (
     Claim("C2R4 QuantMLA above the best same-precision baseline (testbeds: lower ppl)",
           "+7.20 / +10.84 points", "table1", c2r4_margin),
     Claim("Ranking RTN < SmoothQuant† < QuaRot† < QuantMLA (testbeds: C2R4 ppl)",
-          "GSM8K C4R4 16.98 < 24.56 < 30.71 < 35.25", "table1", ranking),
+          "GSM8K C4R4 16.98 < 24.56 < 30.71 < 35.25", "table1", ranking, also="path_split"),
     Claim("The RoPE path is the more sensitive (model ratio R_P / R_C > 1)",
           "R_P > R_C (Table 4, 285 layers)", "sensitivity", rope_more_sensitive),
     Claim("RULER S-NIAH-1/2/3 at C4R4 (testbeds: within 5 points of BF16)",
@@ -198,7 +229,8 @@ def claims_rows(records: list[dict]) -> list[list[str]]:
         row = [claim.text, claim.paper]
         for bed in TESTBEDS.values():
             experiment = bed[claim.source]
-            verdict = claim.measure(_of(records, experiment, bed["model"]), experiment)
+            extra = (_of(records, bed[claim.also], bed["model"]),) if claim.also else ()
+            verdict = claim.measure(_of(records, experiment, bed["model"]), experiment, *extra)
             mark = {True: "yes", False: "**no**", None: "—"}[verdict.reproduced]
             row += [verdict.value, f"{mark}: {verdict.reason}" if verdict.reason else mark]
         rows.append(row)

@@ -38,3 +38,23 @@ def test_claims_without_records_say_what_would_give_them():
     value, verdict = smol_column(rows, "C4R4 QuantMLA")
     assert value == "—" and "experiment=smol_table1" in verdict
     assert "no `smol_fig5c_throughput` experiment yet" in smol_column(rows, "Cache-pressure")[1]
+
+
+def test_a_swapped_ranking_names_the_path_that_swaps_it():
+    ppl = {("bf16", "rtn"): 20.0, ("c2r4", "rtn"): 30.0, ("c2r4", "smoothquant"): 23.6,
+           ("c2r4", "quarot"): 24.4, ("c2r4", "quantmla"): 21.0}  # fmt: skip
+    rows = claims_rows(table1(ppl))
+    assert smol_column(rows, "Ranking")[1] == (
+        "**no**: a different order; per path: no `c2r16` records for SmoothQuant† and QuaRot†"
+    )
+    split = {("c2r16", "smoothquant"): 22.0, ("c2r16", "quarot"): 23.5,
+             ("c16r4", "smoothquant"): 20.6, ("c16r4", "quarot"): 20.5}  # fmt: skip
+    rows = claims_rows(table1(ppl) + table1(split, experiment="smol_path_split"))
+    assert smol_column(rows, "Ranking")[1] == (
+        "**no**: a different order; content alone (C2R16) SmoothQuant† 22.00 vs QuaRot† 23.50; "
+        "RoPE alone (C16R4) SmoothQuant† 20.60 vs QuaRot† 20.50 (ppl): content alone puts "
+        "SmoothQuant† ahead"
+    )
+    split[("c2r16", "smoothquant")] = 24.0  # now neither path alone
+    rows = claims_rows(table1(ppl) + table1(split, experiment="smol_path_split"))
+    assert smol_column(rows, "Ranking")[1].endswith("neither path alone puts SmoothQuant† ahead")
