@@ -60,6 +60,7 @@ class Layout:
     paper_table: str | None = None
     also: tuple[str, ...] = ()  # other experiments whose records join this table's
     precisions: tuple[str, ...] | None = None  # rows of these precisions only (None: all)
+    per_length: bool = False  # metrics keyed `<metric>@<model.eval_seqlen>`: one column per length
 
 
 def _task_columns(tasks, stderr: bool = False):
@@ -122,6 +123,20 @@ LAYOUTS = {
         also=("smol_table1",),
         precisions=("bf16", "c2r4", "c2r16", "c16r4"),
     ),  # fmt: skip
+    # full sets at 2,048 and 4,096 tokens (WikiText-2 test: 148 / 74 windows; the C4 slice: 73 / 36)
+    "smol_table1_full": Layout(
+        "smol_table1_full",
+        tuple(
+            Column(f"{metric}@{n}", f"{header} ({n // 1024}K)", fmt, False)
+            for n in (2048, 4096)
+            for metric, header, fmt in (
+                ("ppl/wikitext2", "WikiText-2 ppl", "{:.3f}"),
+                ("ppl/c4", "C4 ppl", "{:.3f}"),
+                ("nmse/attn_mean", "attn-output NMSE", "{:.3e}"),
+            )
+        ),
+        per_length=True,
+    ),
 }
 
 
@@ -138,7 +153,10 @@ def build(records: list[dict], layout: Layout, paper: dict | None = None) -> lis
         if layout.precisions is not None and c["precision"]["name"] not in layout.precisions:
             continue
         key = (c["model"]["name"], c["precision"]["name"], c["method"]["name"])
-        cells.setdefault(key, {}).update(r["metrics"])
+        metrics = r["metrics"]
+        if layout.per_length:
+            metrics = {f"{k}@{c['model']['eval_seqlen']}": v for k, v in metrics.items()}
+        cells.setdefault(key, {}).update(metrics)
     columns = list(layout.columns)
     if layout.average:
         for metrics in cells.values():

@@ -85,6 +85,18 @@ def test_path_split_keeps_its_precisions_beside_the_table1_rows():
     assert LAYOUTS["smol_path_split"].also == ("smol_table1",)
 
 
+def test_full_set_table_keeps_each_length_in_its_own_columns():
+    records = []
+    for n, ppl in ((2048, 20.0), (4096, 19.0)):
+        r = record("smol_mla", "bf16", "rtn", **{"ppl/wikitext2": ppl, "ppl/c4": ppl + 3})
+        r["config"]["model"]["eval_seqlen"] = n
+        records.append(r)
+    (header, row) = build(records, LAYOUTS["smol_table1_full"])
+    assert row[header.index("WikiText-2 ppl (2K)")] == "20.000"
+    assert row[header.index("WikiText-2 ppl (4K)")] == "19.000"
+    assert row[header.index("C4 ppl (4K)")] == "22.000"
+
+
 def test_fig4_and_fig5b_draw_from_records(tmp_path):
     from analysis.figures import fig4, fig5b
 
