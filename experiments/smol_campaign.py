@@ -1,0 +1,96 @@
+"""Every issue-#40 job on the SmolLM2-MLA testbed as one resumable list, the cheapest answers first.
+
+Each job is a `quantmla.run` sweep that skips the cells that already have records, and calibrated
+methods load their committed artifacts, so running the campaign again continues where it stopped.
+Costs are measured on 2 CPU cores alone (`python -m analysis.tables smol_costs` has every job's).
+
+    python -m experiments.smol_campaign             # every job, in order
+    python -m experiments.smol_campaign --list      # the jobs, what each gives and costs
+    python -m experiments.smol_campaign --from 5    # from job 5 on
+    python -m experiments.smol_campaign --only 3    # job 3 alone
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from typing import NamedTuple
+
+
+class Job(NamedTuple):
+    name: str
+    gives: str
+    cost: str  # on 2 CPU cores, alone
+    overrides: tuple[str, ...]
+
+
+FEWSHOT = ("experiment=smol_table1", "eval=commonsense_fewshot", "eval.limit=100")
+JOBS = (
+    Job("path split", "why SmoothQuant† is ahead of QuaRot† (claims table)", "~1 h: 6 cells",
+        ("experiment=smol_table1", "experiment_name=smol_path_split", "precision=c2r16,c16r4",
+         "method=rtn,quarot,smoothquant")),
+    Job("mixed RTN at 120 B", "a per-layer allocation vs uniform C2R4 at its bytes (RTN)", "~30 min",
+        ("experiment=smol_frontier", "precision=mixed", "precision.budget_bytes=120")),
+    Job("few-shot baselines", "Table 1 twin's few-shot columns: BF16, RTN, QuaRot†, SmoothQuant† C2R4",
+        "~30 min a cell", (*FEWSHOT, "precision=bf16,c2r4", "method=rtn,quarot,smoothquant")),
+    Job("C4R4 baselines", "Table 1 twin's C4R4 rows", "7-22 min a cell",
+        ("experiment=smol_table1", "precision=c4r4", "method=rtn,quarot,smoothquant")),
+    Job("few-shot QuantMLA C2R4", "QuantMLA's few-shot row (fits C2R4 unless its artifact exists)",
+        "~1.5 h fit + 30 min", (*FEWSHOT, "precision=c2r4", "method=quantmla")),
+    Job("QuantMLA C4R4", "Table 1 twin's C4R4 QuantMLA row (C4R4 parity claim)", "~1.5 h fit",
+        ("experiment=smol_table1", "precision=c4r4", "method=quantmla")),
+    Job("mixed QuantMLA at 120 B", "the issue-#23 target: mixed vs uniform QuantMLA C2R4 at 120 B",
+        "~1.5 h fit", ("experiment=smol_frontier", "method=quantmla", "precision=mixed",
+                       "precision.budget_bytes=120", "precision.allocation_method=rtn",
+                       "method.calibration.seqlen=512")),
+    Job("probes", "Tables 5 / 6, Fig. 7 on SmolLM2-MLA with γ transferred", "not measured",
+        ("experiment=smol_table5_probes",)),
+    Job("full sets", "Table 1 twin's perplexity on the full sets at 2,048 and 4,096", "~30 min a cell",
+        ("experiment=smol_table1_full",)),
+    Job("few-shot C4R4", "Table 1 twin's few-shot columns at C4R4", "~30 min a cell",
+        (*FEWSHOT, "precision=c4r4", "method=rtn,quarot,smoothquant,quantmla")),
+    Job("frontier peers with QuantMLA", "the engines' 4-bit formats with QuantMLA's transforms",
+        "~1.5 h fit a format", ("experiment=smol_frontier", "method=quantmla",
+                                "precision=c2r4,cnvfp4re4m3t,cmxfp4rmxfp4,clm4r16",
+                                "method.calibration.seqlen=512")),
+    Job("RULER", "Fig. 4 twin through vLLM (make serve-setup first)", "not measured",
+        ("experiment=smol_fig4_ruler",)),
+)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--list", action="store_true", help="print the jobs and stop")
+    parser.add_argument("--from", dest="start", type=int, default=1, help="first job (1-based)")
+    parser.add_argument("--only", type=int, default=None, help="this job alone (1-based)")
+    args = parser.parse_args(argv)
+    for field, value in (("--from", args.start), ("--only", args.only)):
+        if value is not None and not 1 <= value <= len(JOBS):
+            parser.error(f"{field} {value}: a job number from 1 to {len(JOBS)}")
+    chosen = [args.only] if args.only else list(range(args.start, len(JOBS) + 1))
+    if args.list:
+        for i, job in enumerate(JOBS, 1):
+            print(f"{i:2d}. {job.name} ({job.cost}): {job.gives}")
+            print(f"    python -m quantmla.run {' '.join(job.overrides)}")
+        return 0
+    failed = []
+    for i in chosen:
+        job = JOBS[i - 1]
+        print(
+            f"[campaign] {i}/{len(JOBS)} {job.name} ({job.cost}) at {time.strftime('%H:%M')}",
+            flush=True,
+        )
+        done = subprocess.run([sys.executable, "-m", "quantmla.run", *job.overrides])
+        if done.returncode:
+            failed.append(f"{i}. {job.name} (exit {done.returncode})")
+    if failed:
+        print("[campaign] failed: " + "; ".join(failed), file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
