@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -104,7 +104,15 @@ TINY_V2 = (
 SMOL_FEWSHOT = (
     "hellaswag_10shot", "piqa_5shot", "arc_easy_25shot", "arc_challenge_25shot", "winogrande_5shot",
 )  # fmt: skip
-SMOL = (*TINY[:3], *_task_columns((*SMOL_FEWSHOT, "mmlu", "gsm8k"), stderr=True))
+SMOL = (
+    *TINY[:3],
+    *(replace(c, header=f"{c.header} 0-shot") for c in _task_columns(TINY_TASKS[:5], stderr=True)),
+    *_task_columns(SMOL_FEWSHOT, stderr=True),
+    *(
+        replace(c, header=f"{c.header} 5-shot")
+        for c in _task_columns(("mmlu", "gsm8k"), stderr=True)
+    ),
+)
 LAYOUTS = {
     "table1": Layout(
         "table1", _task_columns(TABLE1_TASKS), tuple(f"acc/{t}" for t in TABLE1_TASKS), "table1"

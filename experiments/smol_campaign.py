@@ -27,6 +27,7 @@ class Job(NamedTuple):
 
 
 FEWSHOT = ("experiment=smol_table1", "eval=commonsense_fewshot", "eval.limit=100")
+SUITE = ("experiment=smol_table1", "eval=table1_suite")
 JOBS = (
     Job("path split", "why SmoothQuant† is ahead of QuaRot† (claims table)", "~1 h: 6 cells",
         ("experiment=smol_table1", "experiment_name=smol_path_split", "precision=c2r16,c16r4",
@@ -37,6 +38,15 @@ JOBS = (
         "~30 min a cell", (*FEWSHOT, "precision=bf16,c2r4", "method=rtn,quarot,smoothquant")),
     Job("C4R4 baselines", "Table 1 twin's C4R4 rows", "7-22 min a cell",
         ("experiment=smol_table1", "precision=c4r4", "method=rtn,quarot,smoothquant")),
+    Job("0-shot baselines", "the five tasks 0-shot (few of their prompts pass the 132 protected tokens)",
+        "not measured", (*SUITE, "eval.tasks=[hellaswag,piqa,arc_easy,arc_challenge,winogrande]",
+                         "eval.limit=100", "precision=bf16,c2r4", "method=rtn,quarot,smoothquant")),
+    Job("MMLU 5-shot", "MMLU column, 2 documents of each of the 57 subjects", "~10 min a cell",
+        (*SUITE, "eval.tasks=[mmlu]", "eval.limit=2", "precision=bf16,c2r4",
+         "method=rtn,quarot,smoothquant")),
+    Job("GSM8K 5-shot", "GSM8K column (near zero at 135M: reported anyway)", "not measured",
+        (*SUITE, "eval.tasks=[gsm8k]", "eval.limit=50", "precision=bf16,c2r4",
+         "method=rtn,quarot,smoothquant")),
     Job("few-shot QuantMLA C2R4", "QuantMLA's few-shot row (fits C2R4 unless its artifact exists)",
         "~1.5 h fit + 30 min", (*FEWSHOT, "precision=c2r4", "method=quantmla")),
     Job("QuantMLA C4R4", "Table 1 twin's C4R4 QuantMLA row (C4R4 parity claim)", "~1.5 h fit",

@@ -12,7 +12,7 @@ def test_each_job_composes_at_its_first_sweep_value(job):
     from quantmla.cli import route_precision
     from quantmla.job import resolve
 
-    first = route_precision([o.split(",")[0] for o in job.overrides])
+    first = route_precision([o if "=[" in o else o.split(",")[0] for o in job.overrides])
     cfg = run_config(*first, "model=smol_mla", "logger=none")
     assert cfg.experiment_name.startswith("smol_")
     # resolving reads a mixed job's sensitivity records and a vLLM job's serving venv: not here
