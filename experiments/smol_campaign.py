@@ -1,4 +1,5 @@
-"""Every issue-#40 job on the SmolLM2-MLA testbed as one resumable list, the cheapest answers first.
+"""Every issue-#40 job as one resumable list, the cheapest answers first: the SmolLM2-MLA testbed's
+study and the tiny-mla-v2 records its claims table sets beside it.
 
 Each job is a `quantmla.run` sweep that skips the cells that already have records, and calibrated
 methods load their committed artifacts, so running the campaign again continues where it stopped.
@@ -34,6 +35,17 @@ JOBS = (
          "method=rtn,quarot,smoothquant")),
     Job("mixed RTN at 120 B", "a per-layer allocation vs uniform C2R4 at its bytes (RTN)", "~30 min",
         ("experiment=smol_frontier", "precision=mixed", "precision.budget_bytes=120")),
+    # the claims table's tiny-mla-v2 column (its records predate committed records): cheap
+    Job("tiny-mla-v2 Table 1", "the tiny column's accuracy claims", "~25 min",
+        ("experiment=tiny_table1_v2",)),
+    Job("tiny-mla-v2 sensitivity", "the tiny column's RoPE-sensitivity claim", "not measured",
+        ("experiment=tiny_fig2_sensitivity",)),
+    Job("tiny-mla-v2 probes", "the tiny column's operator claim", "not measured",
+        ("experiment=tiny_table5_probes",)),
+    Job("tiny-mla-v2 RULER", "the tiny column's retrieval claim: BF16, RTN", "not measured",
+        ("experiment=tiny_fig4_ruler_v2",)),
+    Job("tiny-mla-v2 RULER QuantMLA", "... and QuantMLA C4R4", "not measured",
+        ("experiment=tiny_fig4_ruler_v2", "precision=c4r4", "method=quantmla")),
     Job("few-shot baselines", "Table 1 twin's few-shot columns: BF16, RTN, QuaRot†, SmoothQuant† C2R4",
         "~30 min a cell", (*FEWSHOT, "precision=bf16,c2r4", "method=rtn,quarot,smoothquant")),
     Job("C4R4 baselines", "Table 1 twin's C4R4 rows", "7-22 min a cell",

@@ -13,8 +13,9 @@ def test_each_job_composes_at_its_first_sweep_value(job):
     from quantmla.job import resolve
 
     first = route_precision([o if "=[" in o else o.split(",")[0] for o in job.overrides])
-    cfg = run_config(*first, "model=smol_mla", "logger=none")
-    assert cfg.experiment_name.startswith("smol_")
+    tiny = any(o.startswith("experiment=tiny_") for o in first)  # the sweep's model, as it runs
+    cfg = run_config(*first, f"model={'tiny_mla_v2' if tiny else 'smol_mla'}", "logger=none")
+    assert cfg.experiment_name.startswith("tiny_" if tiny else "smol_")
     # resolving reads a mixed job's sensitivity records and a vLLM job's serving venv: not here
     if "precision=mixed" not in job.overrides and getattr(cfg.eval, "engine", None) != "vllm":
         resolve(cfg)
