@@ -67,6 +67,9 @@ JOBS = (
         "~1.5 h fit", ("experiment=smol_frontier", "method=quantmla", "precision=mixed",
                        "precision.budget_bytes=120", "precision.allocation_method=rtn",
                        "method.calibration.seqlen=512")),
+    Job("mixed RTN at the peers' bytes", "mixed allocations at C3R4's, MXFP4's, C4R4's, NVFP4's and "
+        "the Lloyd-Max cache's bytes, each beside that format", "~25 min a budget",
+        ("experiment=smol_frontier", "precision=mixed", "precision.budget_bytes=152,170,184,208,258")),
     Job("probes", "Tables 5 / 6, Fig. 7 on SmolLM2-MLA with γ transferred", "not measured",
         ("experiment=smol_table5_probes",)),
     Job("full sets", "Table 1 twin's perplexity on the full sets at 2,048 and 4,096", "~30 min a cell",
