@@ -141,6 +141,17 @@ def test_artifact_round_trip_and_mismatch(tmp_path):
     assert torch.equal(back.layers[1].rope.scales, layers[1].rope.scales)
     with pytest.raises(ArtifactMismatchError, match="precision='c4r4' but this run needs 'c2r4'"):
         load_artifact(path, {**meta, "precision": "c2r4"})
+    # an identity rotation (SmoothQuant†'s) is left out of the file and comes back as the identity
+    scale = torch.rand(8, dtype=torch.float64) + 0.5
+    smooth = [LayerTransforms(ContentTransform(torch.eye(8, dtype=torch.float64), scale), None)]
+    save_artifact(MethodResult("quantmla", smooth, None, meta, {}), tmp_path / "s.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "s.safetensors"), "pt") as f:
+        assert set(f.keys()) == {"layers.0.content.scale"}
+    back = load_artifact(tmp_path / "s.safetensors", meta).layers[0].content
+    assert torch.equal(back.rotation, torch.eye(8, dtype=torch.float64))
+    assert torch.equal(back.scale, scale)
 
 
 def test_quarot_and_equivalence_check(ctx):

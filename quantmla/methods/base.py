@@ -91,7 +91,10 @@ def save_artifact(result: MethodResult, path: str | Path) -> None:
     tensors = {}
     for i, layer in enumerate(result.layers):
         if layer.content is not None:
-            tensors[f"layers.{i}.content.rotation"] = layer.content.rotation.contiguous()
+            rotation = layer.content.rotation.detach().cpu()
+            if not torch.equal(rotation, torch.eye(rotation.shape[-1], dtype=rotation.dtype)):
+                # SmoothQuant†'s rotation is the identity: left out (d_c² float64 a layer)
+                tensors[f"layers.{i}.content.rotation"] = rotation.contiguous()
             tensors[f"layers.{i}.content.scale"] = layer.content.scale.contiguous()
         if layer.rope is not None:
             tensors[f"layers.{i}.rope.angles"] = layer.rope.angles.contiguous()
@@ -123,10 +126,10 @@ def load_artifact(path: str | Path, expected: dict[str, str]) -> MethodResult:
     layers = []
     for i in range(int(metadata["n_layers"])):
         content = rope = None
-        if f"layers.{i}.content.rotation" in tensors:
-            content = ContentTransform(
-                tensors[f"layers.{i}.content.rotation"], tensors[f"layers.{i}.content.scale"]
-            )
+        if f"layers.{i}.content.scale" in tensors:
+            scale = tensors[f"layers.{i}.content.scale"]
+            identity = torch.eye(scale.shape[-1], dtype=scale.dtype)
+            content = ContentTransform(tensors.get(f"layers.{i}.content.rotation", identity), scale)
         if f"layers.{i}.rope.angles" in tensors:
             rope = RopeTransform(
                 tensors[f"layers.{i}.rope.angles"], tensors[f"layers.{i}.rope.scales"]
