@@ -117,7 +117,7 @@ def ranking(records, experiment, split=()) -> Verdict:
     return Verdict(value, ok, "" if ok else "a different order" + _per_path(split, order))
 
 
-SPLIT = (("c2r16", "content alone (C2R16)"), ("c16r4", "RoPE alone (C16R4)"))
+SPLIT = (("c2r16", "content alone"), ("c16r4", "RoPE alone"))  # one path quantized, the other BF16
 
 
 def _per_path(split: list[dict], order: list[str]) -> str:
@@ -137,11 +137,11 @@ def _per_path(split: list[dict], order: list[str]) -> str:
         if pa is None or pb is None:
             return f"; per path: no `{precision}` records for {LABEL[a]} and {LABEL[b]}"
         gaps[label] = pb - pa
-        parts.append(f"{label} {LABEL[a]} {pa:.2f} vs {LABEL[b]} {pb:.2f}")
+        parts.append(f"{label} ({precision.upper()}) {LABEL[a]} {pa:.2f} vs {LABEL[b]} {pb:.2f}")
     carrier = max(gaps, key=lambda k: gaps[k])
     if gaps[carrier] <= 0:
         return f"; {'; '.join(parts)} (ppl): neither path alone puts {LABEL[a]} ahead"
-    return f"; {'; '.join(parts)} (ppl): {carrier.split(' (')[0]} puts {LABEL[a]} ahead"
+    return f"; {'; '.join(parts)} (ppl): {carrier} puts {LABEL[a]} ahead"
 
 
 def rope_more_sensitive(records, experiment) -> Verdict:
