@@ -8,7 +8,7 @@ decode (`forward_mqa`) and its kernel; the writer (`do_kv_cache_update`); the pr
 bookkeeping. Prints seconds and calls per timer and pair, writes JSON.
 
     python benchmarks/serve_calls.py --model EXPORT --text TEXT [--pairs 2] [--chunk 256]
-        [--budget 78000000] [--first-chunk-admission] [--out results/bench/serve_calls.json]
+        [--budget 78000000] [--first-chunk-admission] [--dtype float32] [--out results/bench/serve_calls.json]
 
 The tiny Fig. 5c twin's cell: EXPORT from `python -m quantmla.export model=tiny_mla_v2_4k
 method=rtn precision=c4r4 out=DIR`, TEXT the WikiText-2 test text (5 prompts of 3,968 tokens).
@@ -77,6 +77,9 @@ def main() -> None:
     parser.add_argument("--input-tokens", type=int, default=3968)
     parser.add_argument("--output-tokens", type=int, default=31)
     parser.add_argument("--first-chunk-admission", action="store_true")
+    parser.add_argument(
+        "--dtype", default="float32", help="the model's dtype (the twin's job serves float32)"
+    )
     parser.add_argument("--out", default="results/bench/serve_calls.json")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
@@ -89,7 +92,7 @@ def main() -> None:
         "--model", args.model, "--text", args.text, "--requests", str(args.requests),
         "--input-tokens", str(args.input_tokens), "--output-tokens", str(args.output_tokens),
         "--kv-cache-memory-bytes", str(args.budget), "--max-num-seqs", str(args.requests),
-        "--max-num-batched-tokens", str(args.chunk),
+        "--max-num-batched-tokens", str(args.chunk), "--dtype", args.dtype,
         *(["--first-chunk-admission"] if args.first_chunk_admission else []),
     ]  # fmt: skip
     runs = []
