@@ -9,7 +9,10 @@ protection rows). Geometry: the Fig. 5c twin's model (tiny-mla-v2-4k: d_c 256 + 
 d_nope 64, d_v 64; served in float32 as its config says), 16-token pages, a 3,968-token prompt,
 chunks of 256 and 2,048. Variants
 alternate within each round; the table shows medians, the ratio to BF16 mode, and (`--profile`)
-where each variant's time goes.
+where each variant's time goes. Beside the times, the arithmetic each variant does per prompt
+(counted from the calls the backend makes: rows expanded through `kv_b_proj`, (query, key) pairs
+scored by the fused passes and by the window pass), and the ratio it alone would set: C4R4's
+time / BF16 mode's time cannot fall below it unless a pass gets cheaper per pair or row.
 
     python benchmarks/serve_prefill.py [--prompt 3968] [--chunks 256 2048] [--rounds 5]
         [--threads N] [--dtype float32] [--profile] [--out results/bench/serve_prefill.json]
@@ -26,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+import quantmla.serving.paged_attention as paged_attention
 from quantmla.serving.paged_attention import (
     PrefillContext,
     context_reader,
@@ -99,6 +103,51 @@ def prefill(precision: str, inputs, prompt: int, chunk: int) -> None:
         )  # fmt: skip
 
 
+def arithmetic(precision: str, inputs, prompt: int, chunk: int) -> dict:
+    """What one prompt's prefill computes, counted by wrapping the backend's passes: rows through
+    `kv_b_proj`; (query, key) pairs of the fused passes (causal: query r reads keys 0 .. r) and
+    of the window pass (as its C++ op computes them: per block of 64 queries, the band's span of
+    keys for every query, and every sink); FLOPs at 2 · heads · (d_nope + d_r + d_v) per pair and
+    2 · d_c · heads · (d_nope + d_v) per expanded row."""
+    count = {"expanded_rows": 0, "fused_pairs": 0, "window_pairs": 0, "window_pairs_read": 0}
+    q, c, k_r, kv_b_proj = inputs
+    attend, merge_window = paged_attention.attend, paged_attention.merge_window
+
+    def counted_proj(x):
+        count["expanded_rows"] += x.shape[0]
+        return kv_b_proj(x)
+
+    def counted_attend(qh, keys, values, mask, scaling, causal=False):
+        n, m = qh.shape[1], keys.shape[1]
+        count["fused_pairs"] += sum(min(r + 1, m) for r in range(n)) if causal else n * m
+        return attend(qh, keys, values, mask, scaling, causal=causal)
+
+    def counted_window(qh, keys, values, j, start, sink, recent, scaling, out, lse):
+        sinks = sum(p < sink for p in j)
+        base, banded, n = (j[sinks] if sinks < len(j) else start), len(j) - sinks, qh.shape[1]
+        for r0 in range(0, n, 64):
+            rows, i0 = min(64, n - r0), start + r0
+            lo, hi = max(base, i0 - recent + 1), min(base + banded - 1, i0 + rows - 1)
+            count["window_pairs"] += rows * (max(0, hi - lo + 1) + sinks)
+        for r in range(n):
+            i = start + r
+            band = min(i, base + banded - 1) - max(base, i - recent + 1) + 1
+            count["window_pairs_read"] += max(0, band) + sum(p <= i for p in j[:sinks])
+        merge_window(qh, keys, values, j, start, sink, recent, scaling, out, lse)
+
+    paged_attention.attend, paged_attention.merge_window = counted_attend, counted_window
+    try:
+        prefill(precision, (q, c, k_r, counted_proj), prompt, chunk)
+    finally:
+        paged_attention.attend, paged_attention.merge_window = attend, merge_window
+    pair = 2 * HEADS * (D_NOPE + D_R + D_V)
+    count["gflop"] = (
+        count["expanded_rows"] * 2 * D_C * HEADS * (D_NOPE + D_V)
+        + (count["fused_pairs"] + count["window_pairs"]) * pair
+    ) / 1e9
+    return count
+
+
 def profile_difference(inputs, prompt: int, chunk: int, rounds: int = 3, top: int = 12) -> dict:
     """Where C4R4's extra time goes: each operator's self CPU time per prompt (torch profiler,
     mean of `rounds`) in both modes, printed by C4R4 − BF16, largest first."""
@@ -164,8 +213,10 @@ def main() -> None:
                     prefill(precision, inputs, n, chunk)
                     times[precision].append((time.perf_counter() - start) / n * 1e6)
             base = statistics.median(times["bf16"])
+            work = {v: arithmetic(v, inputs, n, chunk) for v in times}
             rows += [{"prompt": n, "chunk": chunk, "variant": v, "us_per_token": statistics.median(t),
-                      "min": min(t), "max": max(t), "vs_bf16": statistics.median(t) / base}
+                      "min": min(t), "max": max(t), "vs_bf16": statistics.median(t) / base,
+                      **work[v], "gflop_vs_bf16": work[v]["gflop"] / work["bf16"]["gflop"]}
                      for v, t in times.items()]  # fmt: skip
             if args.profile:
                 profiles.append(profile_difference(inputs, n, chunk))
@@ -173,12 +224,13 @@ def main() -> None:
         f"{platform.processor() or platform.machine()}, {args.threads} thread(s), {args.dtype}"
     )
     print(f"machine: {machine}; prefill path: torch (the backend's CPU path)")
-    print(
-        f"{'prompt':>7}{'chunk':>7}{'variant':>9}{'us/token':>10}{'min':>9}{'max':>9}{'x BF16':>8}"
-    )
+    print(f"{'prompt':>7}{'chunk':>7}{'variant':>9}{'us/token':>10}{'min':>9}{'max':>9}"
+          f"{'x BF16':>8}{'rows':>8}{'pairs (M)':>11}{'GFLOP':>7}{'x BF16':>8}")  # fmt: skip
     for r in rows:
+        pairs = (r["fused_pairs"] + r["window_pairs"]) / 1e6
         print(f"{r['prompt']:>7}{r['chunk']:>7}{r['variant']:>9}{r['us_per_token']:>10.1f}"
-              f"{r['min']:>9.1f}{r['max']:>9.1f}{r['vs_bf16']:>8.2f}")  # fmt: skip
+              f"{r['min']:>9.1f}{r['max']:>9.1f}{r['vs_bf16']:>8.2f}{r['expanded_rows']:>8}"
+              f"{pairs:>11.2f}{r['gflop']:>7.2f}{r['gflop_vs_bf16']:>8.2f}")  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {"machine": machine, "rows": rows}
