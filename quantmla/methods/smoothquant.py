@@ -9,6 +9,7 @@ so the same before and after RoPE.
 from __future__ import annotations
 
 import torch
+from tqdm.auto import tqdm
 
 from quantmla.calibration.context import CalibrationContext
 from quantmla.calibration.objectives import content_qdq, layer_output, rope_qdq
@@ -57,7 +58,7 @@ def alpha_search(
 ) -> tuple[list[LayerTransforms], dict]:
     """Per layer (at its own spec, when `spec` is one per layer) and path, the α whose scales give the lowest held-out output NMSE (ties → smaller α)."""
     layers, report = [], {"alpha": [], "heldout_nmse": []}
-    for layer, module in enumerate(ctx.modules):
+    for layer, module in enumerate(tqdm(ctx.modules, desc="alpha search", leave=False)):
         own = layer_spec(spec, layer)
         stat_c, stat_p = ctx.channel_statistics(layer)
         best = {}
