@@ -29,11 +29,10 @@ from pathlib import Path
 
 import torch
 
-import quantmla.serving.paged_attention as paged_attention
+import quantmla.attention as mla_attention
+from quantmla.attention import PrefillContext, prefill_attention
 from quantmla.serving.paged_attention import (
-    PrefillContext,
     context_reader,
-    prefill_attention,
     row_reader,
     write_packed,
     write_rows,
@@ -111,7 +110,7 @@ def arithmetic(precision: str, inputs, prompt: int, chunk: int) -> dict:
     2 · d_c · heads · (d_nope + d_v) per expanded row."""
     count = {"expanded_rows": 0, "fused_pairs": 0, "window_pairs": 0, "window_pairs_read": 0}
     q, c, k_r, kv_b_proj = inputs
-    attend, merge_window = paged_attention.attend, paged_attention.merge_window
+    attend, merge_window = mla_attention.attend, mla_attention.merge_window
 
     def counted_proj(x):
         count["expanded_rows"] += x.shape[0]
@@ -135,11 +134,11 @@ def arithmetic(precision: str, inputs, prompt: int, chunk: int) -> dict:
             count["window_pairs_read"] += max(0, band) + sum(p <= i for p in j[:sinks])
         merge_window(qh, keys, values, j, start, sink, recent, scaling, out, lse)
 
-    paged_attention.attend, paged_attention.merge_window = counted_attend, counted_window
+    mla_attention.attend, mla_attention.merge_window = counted_attend, counted_window
     try:
         prefill(precision, (q, c, k_r, counted_proj), prompt, chunk)
     finally:
-        paged_attention.attend, paged_attention.merge_window = attend, merge_window
+        mla_attention.attend, mla_attention.merge_window = attend, merge_window
     pair = 2 * HEADS * (D_NOPE + D_R + D_V)
     count["gflop"] = (
         count["expanded_rows"] * 2 * D_C * HEADS * (D_NOPE + D_V)

@@ -10,16 +10,24 @@ token exactly once, nothing evicted.
 - Absorbed form (decode): `q̃ = q^C W_UKᵀ` scores the latent directly; the quantized region and the
   gathered protected rows are computed separately and merged by the online-softmax rule.
 Both forms compute the same function; `choose_form` picks the cheaper one per call.
+- Causal prefill (`prefill_attention`: the serving backend's prefill chunks, and the simulator's
+  forwards whose mask is causal): the same function without a dense mask — the dequantized copies
+  read under the causal rule shifted by `recent`, the exact copies as the sinks and a band, in
+  fused passes (torch's fused CPU attention, a C++ band op) merged by their log-sum-exp. Every
+  (query, key) pair is scored once, where the masked SDPA scores both copies of every key.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from quantmla.quant import qdq_content, qdq_rope
+from quantmla_kernels.paged_cache.prefill import attend, merge_states, merge_window
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
@@ -166,3 +174,106 @@ def cache_regions(policy, c, k_rot, allowed, q_slots, hats=None):
             c, k_rot, raw_allowed = c[:, columns], k_rot[:, columns], raw_allowed[..., columns]
         regions.append((c, k_rot, raw_allowed))
     return regions or [(c_hat, k_hat, allowed)]
+
+
+@dataclass
+class PrefillContext:
+    """A prefill chunk's earlier tokens: `tokens` of them, the BF16 `exact` rows held for some
+    (`positions`, rows (m, d_c + d_r); the protection rows), and `read(start, end)` giving the
+    cache's copy of positions [start, end) — dequantized packed pages, or BF16 mode's own rows —
+    at most `chunk` tokens at a time (the bounded workspace). `written`: the cache holds the
+    chunk's own tokens too (vLLM writes a step's tokens before attending), so their dequantized
+    copies are read from it, not quantized again."""
+
+    tokens: int
+    positions: torch.Tensor
+    exact: torch.Tensor
+    read: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+    chunk: int
+    written: bool = False
+
+
+def prefill_attention(
+    q, c, k_r, kv_b_proj, spec, sink, recent, d_nope, d_v, scaling, context=None
+):  # fmt: skip
+    """(n, H · d_v) attention output of one request's prefill chunk: its n new tokens at positions
+    t₀ .. t₀ + n − 1 (t₀ = `context.tokens`, 0 without one) over themselves and the context.
+
+    q (n, H, d_nope + d_r), c (n, d_c), k_r (n, d_r); `kv_b_proj(x)` → (n, H · (d_nope + d_v)).
+    Three kinds of keys, each in fused passes (`attend`), LSE-merged:
+    - the *bulk*: the context's cache copy every query of the chunk reads (all of it in BF16
+      mode; positions sink .. t₀ − recent when quantized), without a mask, in workspace reads;
+    - the *causal* run: the copy read by query i up to position i − recent (recent = 0 in BF16
+      mode: the new tokens themselves; quantized: the dequantized copies of positions t₀ − recent
+      + 1 .. t₀ + n − 1 − recent ≥ sink, the context's and the chunk's), contiguous, so query
+      p₀ + recent + r reads its first r + 1 keys: square causal attention;
+    - quantized, the *window*: the exact copies (the context's protection rows, the new tokens):
+      the sinks and the band i − j < recent, merged in place last (`merge_window`: one C++ op on a
+      CPU)."""
+    n, heads = q.shape[0], q.shape[1]
+    start = context.tokens if context is not None else 0
+    work = torch.promote_types(q.dtype, torch.float32)
+    quantized = spec.quantized
+
+    def expand(latent, rope):
+        m = latent.shape[0]
+        kv = kv_b_proj(latent.to(c.dtype)).view(m, heads, d_nope + d_v).to(work)
+        k_nope, v = kv.split([d_nope, d_v], dim=-1)
+        k = torch.cat([k_nope, rope[:, None, :].expand(m, heads, -1).to(work)], dim=-1)
+        return k.transpose(0, 1), v.transpose(0, 1)  # (H, m, ·)
+
+    def expand_all(parts):  # one expansion of every (latent, rope, …) part, in order
+        return expand(torch.cat([p[0].to(c.dtype) for p in parts]),
+                      torch.cat([p[1].to(work) for p in parts]))  # fmt: skip
+
+    qh = q.transpose(0, 1).to(work)
+    parts = []  # (first query, out, lse) of each attention pass
+    run = []  # (latent, rope) of the causal run, in position order
+    window = []  # (latent, rope, positions) of the exact copies (quantized)
+    written = quantized and context is not None and context.written
+    if context is not None and (context.tokens or written):
+        tokens = context.tokens
+        if quantized and context.positions.numel():
+            rows = context.exact
+            window.append((rows[:, : c.shape[1]], rows[:, c.shape[1] :], context.positions))
+        # the cache copy is read where the rule does: all of it in BF16 mode, else positions ≥
+        # sink at least `recent` before the chunk's last query (the chunk's too, when written);
+        # every query reads [lo, full)
+        lo, hi, full = 0, tokens, tokens
+        if quantized:
+            held = tokens + n if written else tokens
+            lo, hi = min(sink, held), min(held, start + n - recent)
+            full = min(hi, max(lo, tokens - recent + 1))
+        for a in range(lo, hi, context.chunk):
+            b = min(hi, a + context.chunk)
+            latent, rope = context.read(a, b)
+            if a < full:
+                keys, values = expand(latent[: full - a], rope[: full - a])
+                parts.append((0, *attend(qh, keys, values, None, scaling)))
+            if b > full:  # the cache's part of the causal run
+                skip = max(0, full - a)
+                run.append((latent[skip:].clone(), rope[skip:].clone()))
+    run_start = full if run else None
+    if not quantized:
+        run.append((c, k_r))
+        run_start = start
+    else:
+        window.append((c, k_r, start + torch.arange(n, device=q.device)))
+        lo, hi = min(max(0, sink - start), n), max(0, n - recent)
+        if lo < hi and not written:  # the chunk's dequantized copies some query reads
+            run.append((qdq_content(spec, c[lo:hi]), qdq_rope(spec, k_r[lo:hi])))
+            run_start = start + lo if run_start is None else run_start
+    if run:
+        keys, values = expand_all(run)
+        first = run_start + (recent if quantized else 0) - start  # the query reading key 0
+        parts.append((first, *attend(qh[:, first:], keys, values, None, scaling, causal=True)))
+    out = torch.zeros(heads, n, d_v, dtype=work, device=q.device)
+    lse = torch.full((heads, n), float("-inf"), dtype=work, device=q.device)
+    for a, part, part_lse in parts:
+        b = a + part.shape[1]
+        out[:, a:b], lse[:, a:b] = merge_states(out[:, a:b], lse[:, a:b], part, part_lse)
+    if window:
+        keys, values = expand_all(window)
+        j = torch.cat([p[2] for p in window]).tolist()
+        merge_window(qh, keys, values, j, start, sink, recent, scaling, out, lse)
+    return out.transpose(0, 1).reshape(n, heads * d_v)

@@ -19,15 +19,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from quantmla.attention import attention_output, cache_regions
+from quantmla.attention import (
+    PrefillContext,
+    attention_output,
+    cache_regions,
+    choose_form,
+    prefill_attention,
+)
 from quantmla.cache.packed import packed_attention
 from quantmla.cache.simulated import dequantized_layer
 from quantmla.errors import ConfigError, NonFiniteCacheError, QuantMLAError
 from quantmla.memory import CacheLayout
 from quantmla.models.adapters import MLAAdapter, MLAGeometry, get_adapter
 from quantmla.policy import CachePolicy
+from quantmla.quant import qdq_content, qdq_rope
 
 
 @dataclass
@@ -56,6 +64,53 @@ def _allowed_mask(attention_mask, q_slots: torch.Tensor, kv_len: int, batch: int
     if mask.dtype != torch.bool:
         mask = mask > torch.finfo(mask.dtype).min / 2
     return mask
+
+
+def _reads_causally(allowed: torch.Tensor, q_slots: torch.Tensor) -> bool:
+    """Every query that reads itself (not padding) reads exactly the keys up to its own slot."""
+    kv_len = allowed.shape[-1]
+    causal = torch.arange(kv_len, device=allowed.device)[None, :] <= q_slots[:, None]
+    itself = allowed[..., torch.arange(q_slots.shape[0], device=allowed.device), q_slots]
+    return bool(((allowed == causal) | ~itself[..., None]).all())
+
+
+def _causal_prefill(module, patch: LayerPatch, q_nope, q_rot, c, k_rot, hats, past: int):
+    """(B, n, H · d_v) attention of n queries at slots past .. past + n − 1 over all earlier tokens
+    under the policy's rule, by `prefill_attention` (fused passes, each pair scored once) per
+    sequence: the earlier tokens as its context (their dequantized copies and protection rows)."""
+    policy, g = patch.policy, patch.geometry
+    spec, weight = policy.spec, module.kv_b_proj.weight
+    q = torch.cat([q_nope, q_rot], dim=-1).transpose(1, 2)  # (B, n, H, d_nope + d_r)
+    n = q.shape[1]
+    outs = []
+    for b in range(q.shape[0]):
+        context = None
+        if past and spec.quantized:
+            hat_c, hat_k = (
+                (hats[0][b], hats[1][b])
+                if hats is not None
+                else (qdq_content(spec, c[b]), qdq_rope(spec, k_rot[b]))
+            )
+            held = torch.cat([
+                torch.arange(min(policy.sink, past)),
+                torch.arange(min(past, max(policy.sink, past - policy.recent)), past),
+            ]).to(c.device)  # fmt: skip
+            rows = torch.cat([c[b], k_rot[b]], dim=-1)[held]
+            context = PrefillContext(
+                past, held, rows, lambda i, j, hc=hat_c, hk=hat_k: (hc[i:j], hk[i:j]),
+                past + n, written=True,
+            )  # fmt: skip
+        elif past:  # BF16: every earlier token read as written
+            context = PrefillContext(
+                past, torch.empty(0, dtype=torch.int64), c.new_empty(0, g.d_c + g.d_r),
+                lambda i, j, cb=c[b], kb=k_rot[b]: (cb[i:j], kb[i:j]), past,
+            )  # fmt: skip
+        outs.append(prefill_attention(
+            q[b], c[b, past:], k_rot[b, past:], lambda x: F.linear(x, weight), spec,
+            policy.sink, policy.recent, g.d_nope, g.d_v, g.scaling, context=context,
+        ))  # fmt: skip
+    out = torch.stack(outs).view(q.shape[0], n, -1)
+    return module.o_proj(out.to(module.o_proj.weight.dtype))
 
 
 def _check_finite(layer_idx: int, **tensors: torch.Tensor) -> None:
@@ -112,6 +167,13 @@ def mla_forward(
             hats = (c4_hat[:, 0], k4_hat[:, 0])
     q_slots = past + torch.arange(n, device=c.device)
     allowed = _allowed_mask(attention_mask, q_slots, c.shape[1], b)
+    form, g = policy.form, patch.geometry
+    if form == "auto":
+        keys = c.shape[1] * (2 if policy.spec.quantized else 1)
+        form = choose_form(n, keys, g.d_c, g.d_r, g.d_nope, g.d_v)
+    if form == "expanded" and c.device.type == "cpu" and _reads_causally(allowed, q_slots):
+        out = _causal_prefill(module, patch, proj.q_nope, proj.q_rot, c, k_rot, hats, past)
+        return out, None
     regions = cache_regions(policy, c, k_rot, allowed, q_slots, hats)
     out = attention_output(
         module, adapter, proj.q_nope, proj.q_rot, regions, policy.form, patch.geometry

@@ -210,7 +210,7 @@ def _random_prefill(n, seed, heads=2, d_c=64, d_r=64, d_nope=16, d_v=8):
 def test_prefill_equals_the_per_query_rule_in_float64(n, sink, recent):
     """A whole prompt (blocks of queries gathering only the keys they read in each copy) against
     the rule written out per query."""
-    from quantmla.serving.paged_attention import prefill_attention
+    from quantmla.attention import prefill_attention
 
     q, c, k_r, w, d_nope, d_v = _random_prefill(n, n + sink + recent)
     spec = QuantizerSpec.from_precision("c2r4")
@@ -238,7 +238,7 @@ def test_chunked_prefill_equals_the_whole_prompt_rule(
     and the last `recent` before it) + its dequantized pages read `workspace` tokens at a time,
     LSE-merged — equals the per-query rule over the whole prompt in float64; `written`: the
     chunk's dequantized copies come from the cache reader, as in an engine that wrote them first."""
-    from quantmla.serving.paged_attention import PrefillContext, prefill_attention
+    from quantmla.attention import PrefillContext, prefill_attention
 
     n = sum(chunks)
     q, c, k_r, w, d_nope, d_v = _random_prefill(n, n + len(chunks))

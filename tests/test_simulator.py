@@ -113,3 +113,48 @@ def test_packed_backend_generates_what_the_simulator_generates(fresh):
     packed = fresh.generate(prompt, cache=DynamicCache(config=fresh.config), **kwargs)
     assert torch.equal(packed.sequences, simulated.sequences)
     assert rel_err(torch.stack(packed.logits), torch.stack(simulated.logits)) <= 1e-4
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("precision", ["c2r4", "bf16"])
+def test_causal_prefill_equals_the_masked_sdpa(precision, monkeypatch):
+    """The fused causal prefill (CPU, causal masks) against one SDPA over both copies with
+    complementary masks, in float64 (no rounding-code flips): a whole sequence, a cache and the
+    tokens after it, and a right-padded batch (its padded rows aside)."""
+    import quantmla.simulator as simulator
+
+    model = random_model_from_config_file(
+        MODEL_CONFIGS[0],
+        num_layers=2,
+        vocab_size=512,
+        max_heads=4,
+        n_experts=4,
+        ffn_size=256,
+        experts_implementation="eager",
+    ).double()
+    patch_model(model, precision, sink=4, recent=64, form="expanded")
+    x = torch.randint(1, 512, (2, 160), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(x)
+    mask[1, 120:] = 0  # right padding
+
+    def forwards():
+        whole = model(x).logits
+        cache = DynamicCache(config=model.config)
+        first = model(x[:, :100], cache=cache, use_cache=True).logits
+        rest = model(x[:, 100:], cache=cache, use_cache=True).logits
+        padded = model(x, attention_mask=mask).logits
+        return whole, torch.cat([first, rest], dim=1), padded
+
+    calls = []
+    prefill = simulator._causal_prefill
+    monkeypatch.setattr(simulator, "_causal_prefill", lambda *a: calls.append(1) or prefill(*a))
+    fused = forwards()
+    assert len(calls) == 2 * 4  # both layers in each of the four forwards
+    monkeypatch.setattr(simulator, "_reads_causally", lambda *a: False)
+    masked = forwards()
+    assert len(calls) == 8
+    for a, b in zip(fused[:2], masked[:2]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(fused[2][1, :120], masked[2][1, :120], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(fused[2][0], masked[2][0], rtol=1e-10, atol=1e-10)
+    unpatch_model(model)

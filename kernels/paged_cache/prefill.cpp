@@ -8,7 +8,7 @@
 // matrix products on views (BLAS, no copies), and a row's band is a contiguous range of that slice
 // (no mask); the sinks, a handful, are dot products. The block's (out, lse) is merged into what
 // `out` / `lse` hold (vLLM's merge_attn_states; lse −inf: nothing read yet). One call replaces the
-// torch path's sinks pass, band passes and their merges (`paged_attention._window_passes`, its
+// torch path's sinks pass, band passes and their merges (`window_passes_torch` in prefill.py, its
 // reference) and their ~15 tensor operations per head and block. float32 and float64 (the tests).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>

@@ -23,15 +23,14 @@ from vllm.config import get_current_vllm_config_or_none
 from vllm.model_executor.layers.attention.mla_attention import MLACommonBackend, MLACommonImpl
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
+from quantmla.attention import PrefillContext, prefill_attention
 from quantmla.errors import QuantMLAError
 from quantmla.memory import CacheLayout
 from quantmla.serving.paged_attention import (
-    PrefillContext,
     context_reader,
     decode_latent,
     decode_latent_rows,
     page_storage,
-    prefill_attention,
     row_reader,
     write_packed,
     write_rows,
