@@ -12,6 +12,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 
 from quantmla.calibration.module import QuantMLACalibration
@@ -92,7 +93,9 @@ def quantmla(job: MethodJob) -> MethodResult:
         # per-layer training and held-out losses as CSV (also mirrored to W&B by the run)
         logger=CSVLogger(job.log_dir.parent, name=job.log_dir.name) if job.log_dir else False,
         enable_checkpointing=False,
-        callbacks=saving,
+        # tqdm, not Rich (Lightning's default where rich is installed): Rich draws nothing into a
+        # log file, so a 1-2 hour fit showed no progress there
+        callbacks=[*saving, TQDMProgressBar(refresh_rate=10)],
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
