@@ -36,6 +36,7 @@ from quantmla.memory import CacheLayout
 from quantmla.models.adapters import MLAAdapter, MLAGeometry, get_adapter
 from quantmla.policy import CachePolicy
 from quantmla.quant import qdq_content, qdq_rope
+from quantmla_kernels.paged_cache.layout import held_positions
 
 
 @dataclass
@@ -85,25 +86,17 @@ def _causal_prefill(module, patch: LayerPatch, q_nope, q_rot, c, k_rot, hats, pa
     outs = []
     for b in range(q.shape[0]):
         context = None
-        if past and spec.quantized:
-            hat_c, hat_k = (
-                (hats[0][b], hats[1][b])
-                if hats is not None
-                else (qdq_content(spec, c[b]), qdq_rope(spec, k_rot[b]))
-            )
-            held = torch.cat([
-                torch.arange(min(policy.sink, past)),
-                torch.arange(min(past, max(policy.sink, past - policy.recent)), past),
-            ]).to(c.device)  # fmt: skip
-            rows = torch.cat([c[b], k_rot[b]], dim=-1)[held]
+        if past:  # the earlier tokens: their cache copy (dequantized or as written), exact rows
+            if spec.quantized:
+                copy = (hats[0][b], hats[1][b]) if hats is not None else (
+                    qdq_content(spec, c[b]), qdq_rope(spec, k_rot[b]))  # fmt: skip
+                held = held_positions(past, policy.sink, policy.recent).to(c.device)
+            else:
+                copy, held = (c[b], k_rot[b]), torch.empty(0, dtype=torch.int64, device=c.device)
             context = PrefillContext(
-                past, held, rows, lambda i, j, hc=hat_c, hk=hat_k: (hc[i:j], hk[i:j]),
-                past + n, written=True,
-            )  # fmt: skip
-        elif past:  # BF16: every earlier token read as written
-            context = PrefillContext(
-                past, torch.empty(0, dtype=torch.int64), c.new_empty(0, g.d_c + g.d_r),
-                lambda i, j, cb=c[b], kb=k_rot[b]: (cb[i:j], kb[i:j]), past,
+                past, held, torch.cat([c[b], k_rot[b]], dim=-1)[held],
+                lambda i, j, copy=copy: (copy[0][i:j], copy[1][i:j]), past + n,
+                written=spec.quantized,
             )  # fmt: skip
         outs.append(prefill_attention(
             q[b], c[b, past:], k_rot[b, past:], lambda x: F.linear(x, weight), spec,

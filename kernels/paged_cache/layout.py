@@ -86,3 +86,10 @@ def protection_slots(pos: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
 def kept_in_protection(pos: torch.Tensor, tokens: int | torch.Tensor, sink: int, recent: int):
     """Bool: which of the new tokens at `pos` a buffer of a `tokens`-long sequence must hold."""
     return (pos < sink) | (pos >= tokens - recent)
+
+
+def held_positions(tokens: int, sink: int, recent: int) -> torch.Tensor:
+    """Positions a protection buffer holds for a `tokens`-long sequence, in order: the sinks and
+    the last `recent` (those of `kept_in_protection`)."""
+    ring = torch.arange(min(tokens, max(sink, tokens - recent)), tokens)
+    return torch.cat([torch.arange(min(sink, tokens)), ring])

@@ -16,7 +16,7 @@ from functools import lru_cache
 import torch
 
 from quantmla.errors import QuantMLAError
-from quantmla_kernels.paged_cache.layout import kept_in_protection, protection_slots
+from quantmla_kernels.paged_cache.layout import held_positions, kept_in_protection, protection_slots
 
 
 class ProtectionLostError(QuantMLAError, RuntimeError):
@@ -123,7 +123,5 @@ def _write_plan(start: int, n: int, sink: int, recent: int) -> tuple[torch.Tenso
 @lru_cache(maxsize=4096)
 def _held_plan(tokens: int, sink: int, recent: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(positions a `tokens`-long request's buffer holds in position order, their buffer rows)."""
-    sinks = torch.arange(min(sink, tokens))
-    ring = torch.arange(min(tokens, max(sink, tokens - recent)), tokens)
-    pos = torch.cat([sinks, ring])
+    pos = held_positions(tokens, sink, recent)
     return pos, protection_slots(pos, sink, recent)
