@@ -1,5 +1,7 @@
 """Methods on a tiny random MLA model: SmoothQuant† α = 0, QuantMLA steps, artifacts, QuaRot†, equivalence."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -18,7 +20,11 @@ from quantmla.methods.base import (
 )
 from quantmla.methods.equivalence import EquivalenceProbe, FusionEquivalenceError
 from quantmla.methods.quarot import quarot
-from quantmla.methods.smoothquant import heldout_output_nmse, scales_from_statistics
+from quantmla.methods.smoothquant import (
+    alpha_search,
+    heldout_output_nmse,
+    scales_from_statistics,
+)
 from quantmla.models.adapters import get_adapter
 from quantmla.models.capture import capture_inputs
 from quantmla.models.tiny import tiny_mla_config
@@ -64,6 +70,21 @@ def test_alpha_zero_is_the_identity(ctx):
     assert torch.all(
         (scales[1:] - scales[:-1]) * (stat_c[1:] - stat_c[:-1]).double() <= 1e-12
     )  # larger channel, smaller scale
+
+
+def test_kept_teacher_outputs_are_the_recomputed_ones(ctx):
+    kept = dataclasses.replace(ctx, keep_teacher=True)
+    _, first = kept.project(0, torch.tensor([1, 5]))  # computed in blocks of 4: 0-3 and 4-5
+    assert kept._teacher[0][1].all()
+    _, served = kept.project(0, torch.tensor([3, 1]))  # from memory
+    assert torch.equal(served[1], first[0])
+    _, recomputed = ctx.project(0, torch.tensor([3, 1]))
+    torch.testing.assert_close(served, recomputed, rtol=1e-6, atol=1e-7)
+    assert ctx.project(0, torch.tensor([0]), teacher=False)[1] is None
+    # the α search picks the same scales either way (its held-out batches projected once a layer)
+    assert (
+        alpha_search(kept, C4R4, [0.0, 0.5, 1.0])[1] == alpha_search(ctx, C4R4, [0.0, 0.5, 1.0])[1]
+    )
 
 
 def test_quantmla_steps_lower_both_objectives(ctx):
@@ -222,16 +243,18 @@ def test_calibration_batches_are_the_shuffled_loaders():
     assert len(got) == 11 and all(torch.equal(a, b) for a, b in zip(got, seen))
 
 
-def test_a_stopped_calibration_resumes_where_it_stopped(ctx, tmp_path, monkeypatch):
+@pytest.mark.parametrize("keep_teacher", [False, True])
+def test_a_stopped_calibration_resumes_where_it_stopped(ctx, tmp_path, monkeypatch, keep_teacher):
     """A fit stopped after a saved selection resumes from it, without the α search again: the
     same selections, history, final transforms and search report as an uninterrupted fit; the
-    saved state is gone once it finishes."""
+    saved state is gone once it finishes. Kept teacher outputs start empty in each process."""
     from quantmla.methods.quantmla_method import quantmla
 
     cal = CalibrationConfig(steps=6, select_every=2, batch_size=2, alphas=[0.0])
 
     def job(resume=None):
-        return MethodJob(ctx.modules, C4R4, cal, ctx, seed=0, resume_path=resume)
+        fresh = dataclasses.replace(ctx, keep_teacher=keep_teacher)  # a new process's memory
+        return MethodJob(ctx.modules, C4R4, cal, fresh, seed=0, resume_path=resume)
 
     whole = quantmla(job())
     assert 0 < whole.report["seconds_selection"] < whole.report["seconds_fit"]  # where time goes

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -11,6 +11,8 @@ from quantmla.calibration.objectives import layer_output
 from quantmla.models.adapters import MLAAdapter, MLAProjections
 from quantmla.models.capture import ActivationStore, map_position_embeddings
 from quantmla.transforms.core import pair_indices
+
+TEACHER_BLOCK = 4  # sequences per teacher forward when the outputs are kept
 
 
 @dataclass
@@ -23,6 +25,10 @@ class CalibrationContext:
     store: ActivationStore
     calibration: torch.Tensor  # sequence indices into the store
     heldout: torch.Tensor
+    # keep each sequence's teacher output after its first use (host memory: the store's size
+    # again) rather than recompute it at every step and selection (a fifth of a fit's step)
+    keep_teacher: bool = False
+    _teacher: dict = field(default_factory=dict, init=False, repr=False)  # layer → (outputs, kept)
 
     @property
     def device(self) -> torch.device:
@@ -42,12 +48,32 @@ class CalibrationContext:
         )
 
     @torch.no_grad()
-    def project(self, layer: int, index: torch.Tensor) -> tuple[MLAProjections, torch.Tensor]:
-        """The layer's projections and BF16-teacher attention output for sequences `index`."""
+    def project(
+        self, layer: int, index: torch.Tensor, teacher: bool = True
+    ) -> tuple[MLAProjections, torch.Tensor | None]:
+        """The layer's projections and (`teacher`) BF16-teacher attention output for sequences `index`."""
         module = self.modules[layer]
         h = self.store.inputs[layer][index].to(self.device)
         proj = self.adapter.project(module, h, self.position_embeddings(layer, h.shape[1]))
-        return proj, layer_output(module, self.adapter, proj)
+        return proj, self._teacher_output(layer, index, proj) if teacher else None
+
+    def _teacher_output(self, layer: int, index: torch.Tensor, proj: MLAProjections):
+        """Recomputed, or (`keep_teacher`) read from memory, each sequence's output computed once
+        in its aligned block of TEACHER_BLOCK sequences: the same numbers in whatever order the
+        sequences are asked for (a resumed fit ends as an uninterrupted one)."""
+        module = self.modules[layer]
+        if not self.keep_teacher:
+            return layer_output(module, self.adapter, proj)
+        n = self.store.inputs[layer].shape[0]
+        outputs, kept = self._teacher.setdefault(layer, (None, torch.zeros(n, dtype=torch.bool)))
+        for block in sorted({int(i) // TEACHER_BLOCK for i in index if not kept[i]}):
+            rows = torch.arange(block * TEACHER_BLOCK, min(n, (block + 1) * TEACHER_BLOCK))
+            y = layer_output(module, self.adapter, self.project(layer, rows, teacher=False)[0])
+            if outputs is None:
+                outputs = torch.empty((n, *y.shape[1:]), dtype=y.dtype)
+                self._teacher[layer] = (outputs, kept)
+            outputs[rows], kept[rows] = y.cpu(), True
+        return outputs[index].to(self.device)
 
     @torch.no_grad()
     def channel_statistics(self, layer: int, quantile: float = 0.999, batch_size: int = 8):
@@ -59,7 +85,7 @@ class CalibrationContext:
         )
         gamma = self.gamma(layer)
         for index in self.calibration.split(batch_size):
-            proj, _ = self.project(layer, index)
+            proj, _ = self.project(layer, index, teacher=False)
             u_abs.append((proj.c / gamma).abs().flatten(0, 1).float().cpu())
             k = proj.k_rot.flatten(0, 1).float().cpu()
             pair_norms.append(torch.sqrt(k[:, a] ** 2 + k[:, b] ** 2))

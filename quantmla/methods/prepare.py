@@ -97,6 +97,7 @@ def prepare_method(
         store,
         torch.arange(n_calibration),
         torch.arange(n_calibration, sequences.shape[0]),
+        keep_teacher=cal.keep_teacher_outputs,
     )
     job = MethodJob(
         modules, specs, cal, ctx, cfg.seed, log_dir=path.parent / "logs" / path.stem,

@@ -33,13 +33,16 @@ def heldout_output_nmse(
     content=None,
     rope=None,
     batch_size: int = 4,
+    batches: list | None = None,
 ) -> float:
-    """Held-out attention-output NMSE (over all held-out tokens) with the given path(s) quantized."""
+    """Held-out attention-output NMSE (over all held-out tokens) with the given path(s) quantized;
+    `batches`: the held-out (projections, teacher output) of this layer, when already computed."""
     gamma = ctx.gamma(layer)
     layout = ctx.adapter.geometry(ctx.modules[layer]).cache_pairs
     total = RunningNMSE()
-    for index in ctx.heldout.split(batch_size):
-        proj, y = ctx.project(layer, index)
+    if batches is None:
+        batches = [ctx.project(layer, index) for index in ctx.heldout.split(batch_size)]
+    for proj, y in batches:
         c, q_rot, k_rot = proj.c, proj.q_rot, proj.k_rot
         if content is not None:
             r, s = content.rotation.to(c), content.scale.to(c)
@@ -61,6 +64,7 @@ def alpha_search(
     for layer, module in enumerate(tqdm(ctx.modules, desc="alpha search", leave=False)):
         own = layer_spec(spec, layer)
         stat_c, stat_p = ctx.channel_statistics(layer)
+        heldout = [ctx.project(layer, index) for index in ctx.heldout.split(batch_size)]
         best = {}
         for path, stat in (("content", stat_c), ("rope", stat_p)):
             for alpha in sorted(alphas):
@@ -69,10 +73,10 @@ def alpha_search(
                     t = ContentTransform(
                         torch.eye(module.kv_lora_rank, dtype=torch.float64), scales
                     )
-                    loss = heldout_output_nmse(ctx, layer, own, content=t, batch_size=batch_size)
+                    loss = heldout_output_nmse(ctx, layer, own, content=t, batches=heldout)
                 else:
                     t = RopeTransform(torch.zeros_like(scales), scales)
-                    loss = heldout_output_nmse(ctx, layer, own, rope=t, batch_size=batch_size)
+                    loss = heldout_output_nmse(ctx, layer, own, rope=t, batches=heldout)
                 if path not in best or loss < best[path][0]:
                     best[path] = (loss, alpha, t)
         layers.append(LayerTransforms(best["content"][2], best["rope"][2]))

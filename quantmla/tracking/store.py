@@ -30,6 +30,7 @@ NON_RESULT_KEYS = (
     "paths", "force", "threads", "logger", "hydra", "experiment_name", "cache",
     "model.build",  # how a testbed is built, not what it computes
     "eval.prefix_cache",  # lm-eval's scores with or without the shared-prefix cache
+    "method.calibration.keep_teacher_outputs",  # a calibration's memory for speed, same fit
 )  # fmt: skip
 TRACKED_PACKAGES = (
     "torch",
