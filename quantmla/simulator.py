@@ -67,8 +67,11 @@ def _allowed_mask(attention_mask, q_slots: torch.Tensor, kv_len: int, batch: int
     return mask
 
 
-def _reads_causally(allowed: torch.Tensor, q_slots: torch.Tensor) -> bool:
-    """Every query that reads itself (not padding) reads exactly the keys up to its own slot."""
+def _reads_causally(allowed: torch.Tensor | None, q_slots: torch.Tensor) -> bool:
+    """Every query that reads itself (not padding) reads exactly the keys up to its own slot (no
+    mask, None — transformers' unpadded causal batches — is causal by slot: nothing to build)."""
+    if allowed is None:
+        return True
     kv_len = allowed.shape[-1]
     causal = torch.arange(kv_len, device=allowed.device)[None, :] <= q_slots[:, None]
     itself = allowed[..., torch.arange(q_slots.shape[0], device=allowed.device), q_slots]
@@ -159,14 +162,18 @@ def mla_forward(
             c4_hat, k4_hat = layer.dequantized(new_c, new_k, spec)
             hats = (c4_hat[:, 0], k4_hat[:, 0])
     q_slots = past + torch.arange(n, device=c.device)
-    allowed = _allowed_mask(attention_mask, q_slots, c.shape[1], b)
     form, g = policy.form, patch.geometry
     if form == "auto":
         keys = c.shape[1] * (2 if policy.spec.quantized else 1)
         form = choose_form(n, keys, g.d_c, g.d_r, g.d_nope, g.d_v)
+    allowed = (
+        None if attention_mask is None else _allowed_mask(attention_mask, q_slots, c.shape[1], b)
+    )
     if form == "expanded" and c.device.type == "cpu" and _reads_causally(allowed, q_slots):
         out = _causal_prefill(module, patch, proj.q_nope, proj.q_rot, c, k_rot, hats, past)
         return out, None
+    if allowed is None:
+        allowed = _allowed_mask(None, q_slots, c.shape[1], b)
     regions = cache_regions(policy, c, k_rot, allowed, q_slots, hats)
     out = attention_output(
         module, adapter, proj.q_nope, proj.q_rot, regions, policy.form, patch.geometry
