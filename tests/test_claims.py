@@ -58,3 +58,40 @@ def test_a_swapped_ranking_names_the_path_that_swaps_it():
     split[("c2r16", "smoothquant")] = 24.0  # now neither path alone
     rows = claims_rows(table1(ppl) + table1(split, experiment="smol_path_split"))
     assert smol_column(rows, "Ranking")[1].endswith("neither path alone puts SmoothQuant† ahead")
+
+
+def fewshot(acc: dict[tuple[str, str], float], stderr: float = 2.0) -> list[dict]:
+    tasks = ("hellaswag_10shot", "piqa_5shot", "arc_easy_25shot", "arc_challenge_25shot",
+             "winogrande_5shot")  # fmt: skip
+    return [
+        {"experiment": "smol_table1",
+         "config": {"model": {"name": "smol_mla"}, "precision": {"name": p}, "method": {"name": m}},
+         "metrics": {**{f"acc/{t}": v for t in tasks}, **{f"acc_stderr/{t}": stderr for t in tasks}}}
+        for (p, m), v in acc.items()
+    ]  # fmt: skip
+
+
+def test_accuracy_claims_weigh_the_difference_by_its_standard_error():
+    # five tasks of stderr 2: an average's SE 2 / √5 = 0.894, a difference's 1.265
+    acc = {("bf16", "rtn"): 50.0, ("c4r4", "quantmla"): 48.0, ("c2r4", "rtn"): 40.0,
+           ("c2r4", "smoothquant"): 44.0, ("c2r4", "quarot"): 43.0, ("c2r4", "quantmla"): 47.0}  # fmt: skip
+    rows = claims_rows(fewshot(acc))
+    assert smol_column(rows, "In accuracy, C4R4") == (
+        "-2.0 ± 1.3 points (48.0 vs 50.0)",
+        "yes",
+    )
+    assert smol_column(rows, "In accuracy, C2R4") == (
+        "+3.0 ± 1.3 points vs SmoothQuant† (47.0 vs 44.0)",
+        "yes",
+    )
+    acc[("c4r4", "quantmla")], acc[("c2r4", "quantmla")] = 47.0, 45.0
+    rows = claims_rows(fewshot(acc))
+    assert smol_column(rows, "In accuracy, C4R4")[1] == ("**no**: 2.4 standard errors from BF16")
+    assert smol_column(rows, "In accuracy, C2R4")[1] == (
+        "**no**: ahead by 0.8 standard errors: not separated"
+    )
+    value, verdict = smol_column(
+        claims_rows(fewshot({("c2r4", "quantmla"): 51.0})),
+        "In accuracy, C2R4",
+    )
+    assert value == "—" and "eval=commonsense_fewshot eval.limit=100" in verdict
