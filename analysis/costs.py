@@ -39,6 +39,9 @@ def _calibration(metrics: dict) -> str:
     parts = [
         report.get(k, 0.0) / 60 for k in ("seconds_capture", "seconds_alpha_search", "seconds_fit")
     ]
+    seconds, made = metrics.get("method/seconds"), 60 * sum(parts)
+    if seconds is not None and seconds < made / 2:  # the report is its loaded artifact's
+        return f"artifact loaded ({seconds / 60:.1f})"
     resumed = (
         f", resumed at step {report['resumed_at_step']}" if report.get("resumed_at_step") else ""
     )

@@ -3,9 +3,13 @@
 from analysis.costs import cost_rows
 
 
-def record(experiment, minutes, load=None, report=None, method="rtn", model="smol_mla"):
+def record(
+    experiment, minutes, load=None, report=None, method="rtn", model="smol_mla", method_s=None
+):
     machine = {"cpus": 2, "gpu": None, **({"load_15m": load} if load is not None else {})}
     metrics = {"method/report": report} if report else {}
+    if method_s is not None:
+        metrics["method/seconds"] = method_s
     return {
         "experiment": experiment,
         "wall_time_s": 60 * minutes,
@@ -51,3 +55,8 @@ def test_a_resumed_calibration_says_its_minutes_are_a_part():
     }
     (_, row) = cost_rows([record("a", 12.0, report=fit, method="quantmla")])
     assert row[5].endswith("resumed at step 200")
+    # a job that loaded the artifact carries its report, but spent none of that time
+    (_, row) = cost_rows([record("a", 12.0, report=fit, method="quantmla", method_s=3.0)])
+    assert row[5] == "artifact loaded (0.1)"
+    (_, row) = cost_rows([record("a", 12.0, report=fit, method="quantmla", method_s=700.0)])
+    assert row[5].startswith("capture 1 / α 0 / fit 10")
