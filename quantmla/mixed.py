@@ -160,7 +160,7 @@ def format_errors(
     each, 0 for a BF16 path."""
     names, batches = list(specs), ctx.calibration.split(batch_size)
     out = {key: np.zeros((len(ctx.modules), len(names))) for key in ERROR_KEYS}
-    for layer, module in enumerate(ctx.modules):
+    for layer, module in enumerate(tqdm(ctx.modules, desc="format errors", leave=False)):
         dt = module.o_proj.weight.dtype
         work = torch.promote_types(dt, torch.float32)  # the QDQ in float32 at least
         paths = [_layer_paths(ctx, layer, results[name], work) for name in names]
