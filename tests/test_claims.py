@@ -29,6 +29,11 @@ def test_table1_claims_follow_the_perplexities():
     rows = claims_rows(table1(ppl))
     assert smol_column(rows, "C4R4 QuantMLA") == ("+2.00 % ppl", "**no**: more than 1 % from BF16")
     assert smol_column(rows, "C2R4 QuantMLA")[1] == "**no**: QuaRot† is lower"
+    ppl[("c2r4", "quantmla")] = 22.01  # 0.05 % above QuaRot†: inside the rounding spread
+    assert smol_column(claims_rows(table1(ppl)), "C2R4 QuantMLA")[1] == (
+        "**no**: not separated: within the 0.1 % rounding spread"
+    )
+    ppl[("c2r4", "quantmla")] = 23.0
     value, verdict = smol_column(rows, "Ranking")
     assert value == "RTN < SmoothQuant† < QuantMLA < QuaRot†" and verdict.startswith("**no**")
 
