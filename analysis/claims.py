@@ -51,6 +51,9 @@ FEWSHOT = ("hellaswag_10shot", "piqa_5shot", "arc_easy_25shot", "arc_challenge_2
            "winogrande_5shot")  # fmt: skip
 FEWSHOT_RUN = "eval=commonsense_fewshot eval.limit=100"
 Z = 1.96
+# their chance accuracy (1 / choices: HellaSwag 4, PIQA 2, ARC 4 for almost every question,
+# WinoGrande 2): a testbed whose BF16 average is within Z standard errors of it cannot answer them
+CHANCE = 100 * (1 / 4 + 1 / 2 + 1 / 4 + 1 / 4 + 1 / 2) / len(FEWSHOT)
 
 
 @dataclass(frozen=True)
@@ -139,12 +142,22 @@ def c2r4_margin(records, experiment) -> Verdict:
     return Verdict(value, ok, "" if ok else f"{LABEL[best]} is lower")
 
 
+def _at_chance(records) -> str:
+    """Why the accuracy claims cannot be read on a testbed whose BF16 scores at chance, else ""."""
+    bf16 = _fewshot(records, "bf16")
+    if bf16 is None or bf16[0] - CHANCE > Z * bf16[1]:
+        return ""
+    return f"BF16 at chance ({bf16[0]:.1f} ± {bf16[1]:.1f} vs {CHANCE:.0f}): not measurable here"
+
+
 def c4r4_parity_points(records, experiment) -> Verdict:
     bf16, ours = _fewshot(records, "bf16"), _fewshot(records, "c4r4", "quantmla")
     if bf16 is None or ours is None:
         return _missing(experiment, FEWSHOT_RUN)
     d, se = _points(ours, bf16)
     value = f"{d:+.1f} ± {se:.1f} points ({ours[0]:.1f} vs {bf16[0]:.1f})"
+    if chance := _at_chance(records):
+        return Verdict(value, None, chance)
     ok = abs(d) <= Z * se
     return Verdict(value, ok, "" if ok else f"{abs(d) / se:.1f} standard errors from BF16")
 
@@ -157,6 +170,8 @@ def c2r4_margin_points(records, experiment) -> Verdict:
     best = max(base, key=lambda m: base[m][0])
     d, se = _points(ours, base[best])
     value = f"{d:+.1f} ± {se:.1f} points vs {LABEL[best]} ({ours[0]:.1f} vs {base[best][0]:.1f})"
+    if chance := _at_chance(records):
+        return Verdict(value, None, chance)
     if d > Z * se:
         return Verdict(value, True)
     if d > 0:

@@ -89,6 +89,17 @@ JOBS = (
                                 "method.calibration.seqlen=512")),
     Job("RULER", "Fig. 4 twin through vLLM (make serve-setup first)", "not measured",
         ("experiment=smol_fig4_ruler",)),
+    # appended (a running queue keeps the numbers above): the claims table's remaining cells
+    Job("tiny-mla-v2 path split", "the tiny column's ranking: each path of the baselines alone",
+        "not measured", ("experiment=tiny_table1_v2", "experiment_name=tiny_path_split",
+                         "eval=perplexity", "precision=c2r16,c16r4", "method=rtn,quarot,smoothquant")),
+    Job("tiny-mla-v2 few-shot BF16", "whether the tiny testbed answers the accuracy claims at all "
+        "(their BF16 against chance)", "not measured",
+        ("experiment=tiny_table1_v2", "eval=commonsense_fewshot", "eval.limit=100", "precision=bf16",
+         "method=rtn")),
+    Job("cache-pressure throughput", "the throughput claim on SmolLM2-MLA: BF16 mode vs C4R4 at the "
+        "tiny twin's tightest budget, scaled (make serve-setup first)", "not measured",
+        ("experiment=smol_fig5c_throughput",)),
 )  # fmt: skip
 
 

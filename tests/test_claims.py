@@ -1,6 +1,6 @@
 """analysis/claims.py: each claim's verdict from records, on synthetic stores with known answers."""
 
-from analysis.claims import claims_rows
+from analysis.claims import _missing, claims_rows
 
 
 def table1(ppl: dict[tuple[str, str], float], experiment="smol_table1") -> list[dict]:
@@ -42,7 +42,10 @@ def test_claims_without_records_say_what_would_give_them():
     rows = claims_rows(table1({("bf16", "rtn"): 20.0}, experiment="elsewhere"))
     value, verdict = smol_column(rows, "C4R4 QuantMLA")
     assert value == "—" and "experiment=smol_table1" in verdict
-    assert "no `smol_fig5c_throughput` experiment yet" in smol_column(rows, "Cache-pressure")[1]
+    assert smol_column(rows, "Cache-pressure")[1] == (
+        "—: no records: `python -m quantmla.run experiment=smol_fig5c_throughput`"
+    )
+    assert _missing("smol_nothing").reason == "no records; no `smol_nothing` experiment yet"
 
 
 def test_a_swapped_ranking_names_the_path_that_swaps_it():
@@ -100,3 +103,19 @@ def test_accuracy_claims_weigh_the_difference_by_its_standard_error():
         "In accuracy, C2R4",
     )
     assert value == "—" and "eval=commonsense_fewshot eval.limit=100" in verdict
+
+
+def test_accuracy_claims_are_not_read_where_bf16_scores_at_chance():
+    # chance of the five tasks: (25 + 50 + 25 + 25 + 50) / 5 = 35; BF16 36.0 ± 0.9 is within 1.96 SE
+    acc = {("bf16", "rtn"): 36.0, ("c4r4", "quantmla"): 36.0, ("c2r4", "rtn"): 33.0,
+           ("c2r4", "smoothquant"): 34.0, ("c2r4", "quarot"): 34.0, ("c2r4", "quantmla"): 38.0}  # fmt: skip
+    rows = claims_rows(fewshot(acc))
+    for claim in ("In accuracy, C4R4", "In accuracy, C2R4"):
+        assert (
+            smol_column(rows, claim)[1]
+            == "—: BF16 at chance (36.0 ± 0.9 vs 35): not measurable here"
+        )
+    acc[("bf16", "rtn")] = 37.0  # 2.2 SE above chance: read as usual
+    rows = claims_rows(fewshot(acc))
+    assert smol_column(rows, "In accuracy, C4R4") == ("-1.0 ± 1.3 points (36.0 vs 37.0)", "yes")
+    assert smol_column(rows, "In accuracy, C2R4")[1] == "yes"
