@@ -184,9 +184,19 @@ def ranking(records, experiment, split=()) -> Verdict:
     if None in ppl.values():
         return _missing(experiment)
     order = sorted(ppl, key=ppl.get, reverse=True)  # worst first, as the paper lists them
-    ok = order == [*BASELINES, "quantmla"]
-    value = " < ".join(LABEL[m] for m in order)
-    return Verdict(value, ok, "" if ok else "a different order" + _per_path(split, order))
+    groups = [[order[0]]]  # neighbours within the rounding spread are not separated: one group
+    for worse, better in zip(order, order[1:]):
+        if abs(_delta(ppl[better], ppl[worse])) <= PPL_SPREAD:
+            groups[-1].append(better)
+        else:
+            groups.append([better])
+    value = " < ".join(
+        LABEL[g[0]] if len(g) == 1 else "{" + ", ".join(LABEL[m] for m in g) + "}" for g in groups
+    )
+    if order == [*BASELINES, "quantmla"] and len(groups) == len(order):
+        return Verdict(value, True)
+    reason = "a different order" if order != [*BASELINES, "quantmla"] else "not separated"
+    return Verdict(value, False, reason + _per_path(split, order))
 
 
 SPLIT = (("c2r16", "content alone"), ("c16r4", "RoPE alone"))  # one path quantized, the other BF16

@@ -119,3 +119,14 @@ def test_accuracy_claims_are_not_read_where_bf16_scores_at_chance():
     rows = claims_rows(fewshot(acc))
     assert smol_column(rows, "In accuracy, C4R4") == ("-1.0 ± 1.3 points (36.0 vs 37.0)", "yes")
     assert smol_column(rows, "In accuracy, C2R4")[1] == "yes"
+
+
+def test_a_ranking_shows_perplexities_within_the_rounding_spread_as_one_group():
+    ppl = {("bf16", "rtn"): 300.0, ("c2r4", "rtn"): 310.0, ("c2r4", "smoothquant"): 308.222,
+           ("c2r4", "quarot"): 309.0, ("c2r4", "quantmla"): 308.242}  # fmt: skip
+    value, verdict = smol_column(claims_rows(table1(ppl)), "Ranking")
+    assert value == "RTN < QuaRot† < {QuantMLA, SmoothQuant†}"
+    assert verdict.startswith("**no**: a different order")
+    ppl[("c2r4", "smoothquant")], ppl[("c2r4", "quarot")] = 309.5, 308.3  # paper's order, a tie
+    value, verdict = smol_column(claims_rows(table1(ppl)), "Ranking")
+    assert (value, verdict) == ("RTN < SmoothQuant† < {QuaRot†, QuantMLA}", "**no**: not separated")
