@@ -87,7 +87,9 @@ JOBS = (
         "~1.5 h fit a format", ("experiment=smol_frontier", "method=quantmla",
                                 "precision=c2r4,cnvfp4re4m3t,cmxfp4rmxfp4,clm4r16",
                                 "method.calibration.seqlen=512")),
-    Job("RULER", "Fig. 4 twin through vLLM (make serve-setup first)", "not measured",
+    # vLLM on 2 cores: ~125 prompt tokens/s (1 sample a variant at 1K: 23 s; at 4K + 8K: 283 s),
+    # 12x slower beside another job (its threads are bound to the cores)
+    Job("RULER", "Fig. 4 twin through vLLM (make serve-setup first)", "~2 h a cell",
         ("experiment=smol_fig4_ruler",)),
     # appended (a running queue keeps the numbers above): the claims table's remaining cells
     Job("tiny-mla-v2 path split", "the tiny column's ranking: each path of the baselines alone",
