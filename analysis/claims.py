@@ -152,12 +152,12 @@ def _at_chance(records) -> str:
 
 def c4r4_parity_points(records, experiment) -> Verdict:
     bf16, ours = _fewshot(records, "bf16"), _fewshot(records, "c4r4", "quantmla")
+    if chance := _at_chance(records):  # the quantized cells are not needed to say so
+        return Verdict("—", None, chance)
     if bf16 is None or ours is None:
         return _missing(experiment, FEWSHOT_RUN)
     d, se = _points(ours, bf16)
     value = f"{d:+.1f} ± {se:.1f} points ({ours[0]:.1f} vs {bf16[0]:.1f})"
-    if chance := _at_chance(records):
-        return Verdict(value, None, chance)
     ok = abs(d) <= Z * se
     return Verdict(value, ok, "" if ok else f"{abs(d) / se:.1f} standard errors from BF16")
 
@@ -165,13 +165,13 @@ def c4r4_parity_points(records, experiment) -> Verdict:
 def c2r4_margin_points(records, experiment) -> Verdict:
     ours = _fewshot(records, "c2r4", "quantmla")
     base = {m: _fewshot(records, "c2r4", m) for m in BASELINES}
+    if chance := _at_chance(records):
+        return Verdict("—", None, chance)
     if ours is None or None in base.values():
         return _missing(experiment, FEWSHOT_RUN)
     best = max(base, key=lambda m: base[m][0])
     d, se = _points(ours, base[best])
     value = f"{d:+.1f} ± {se:.1f} points vs {LABEL[best]} ({ours[0]:.1f} vs {base[best][0]:.1f})"
-    if chance := _at_chance(records):
-        return Verdict(value, None, chance)
     if d > Z * se:
         return Verdict(value, True)
     if d > 0:

@@ -115,6 +115,11 @@ def test_accuracy_claims_are_not_read_where_bf16_scores_at_chance():
             smol_column(rows, claim)[1]
             == "—: BF16 at chance (36.0 ± 0.9 vs 35): not measurable here"
         )
+    only_bf16 = claims_rows(fewshot({("bf16", "rtn"): 36.0}))  # the quantized cells are not needed
+    assert smol_column(only_bf16, "In accuracy, C2R4") == (
+        "—",
+        "—: BF16 at chance (36.0 ± 0.9 vs 35): not measurable here",
+    )
     acc[("bf16", "rtn")] = 37.0  # 2.2 SE above chance: read as usual
     rows = claims_rows(fewshot(acc))
     assert smol_column(rows, "In accuracy, C4R4") == ("-1.0 ± 1.3 points (36.0 vs 37.0)", "yes")
