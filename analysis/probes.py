@@ -243,11 +243,23 @@ def table6_rows(records: list[dict], paper: dict | None = None) -> list[list[str
     return rows
 
 
+def allocation(records: list[dict]) -> dict[str, np.ndarray]:
+    """Per model, one row per layer and cell: A_C, O_C, the isotropic ratio they predict,
+    1 / (A_C + O_C), and the measured one (median over draws). An isotropic direction has A = 1
+    and O ≈ 0 in expectation, so `G = T(A + O)` predicts its gain relative to the QDQ direction as
+    1 / (A_C + O_C); A_C < 1 means the QDQ error sits on less sensitive coordinates than average."""
+    by_model: dict[str, list] = {}
+    for r in _records(records):
+        m = r["metrics"]
+        measured = np.median(np.asarray(m["probes/ratio_isotropic"], dtype=float), axis=1)
+        for a, o, iso in zip(m["probes/A_content"], m["probes/O_content"], measured):
+            by_model.setdefault(r["config"]["model"]["name"], []).append((a, o, 1 / (a + o), iso))
+    return {model: np.asarray(pts) for model, pts in by_model.items()}
+
+
 def allocation_rows(records: list[dict]) -> list[list[str]]:
     """Why an equal-energy redistribution of the content error does (not) raise its gain: the
-    isotropic direction has A = 1 and O ≈ 0 in expectation, so the decomposition predicts its gain
-    ratio as 1 / (A_C + O_C) of the QDQ direction — set beside the measured ratio, per layer and
-    cell. A_C < 1 means the QDQ error sits on less sensitive coordinates than average."""
+    predicted isotropic ratio 1 / (A_C + O_C) beside the measured one (`allocation`)."""
     rows = [
         [
             "model",
@@ -259,14 +271,7 @@ def allocation_rows(records: list[dict]) -> list[list[str]]:
             "points",
         ]
     ]
-    by_model: dict[str, list] = {}
-    for r in _records(records):
-        m = r["metrics"]
-        measured = np.median(np.asarray(m["probes/ratio_isotropic"], dtype=float), axis=1)
-        for a, o, iso in zip(m["probes/A_content"], m["probes/O_content"], measured):
-            by_model.setdefault(r["config"]["model"]["name"], []).append((a, o, 1 / (a + o), iso))
-    for model, pts in by_model.items():
-        a = np.asarray(pts)
+    for model, a in allocation(records).items():
         rows.append(
             [
                 model,

@@ -135,3 +135,35 @@ def test_a_ranking_shows_perplexities_within_the_rounding_spread_as_one_group():
     ppl[("c2r4", "smoothquant")], ppl[("c2r4", "quarot")] = 309.5, 308.3  # paper's order, a tie
     value, verdict = smol_column(claims_rows(table1(ppl)), "Ranking")
     assert (value, verdict) == ("RTN < SmoothQuant† < {QuaRot†, QuantMLA}", "**no**: not separated")
+
+
+def probes_record(permutation: float, a_content: float, o_content: float) -> dict:
+    """One SmolLM2-MLA probe cell of two layers: every draw's gain ratio given, A_C and O_C."""
+    draws = lambda v: [[v, v], [v, v]]  # noqa: E731  # (layer, draw)
+    return {
+        "experiment": "smol_table5_probes",
+        "config": {"model": {"name": "smol_mla"}, "precision": {"name": "c4r4"},
+                   "method": {"name": "rtn"}, "eval": {"datasets": ["wikitext2"]}, "seed": 0},
+        "metrics": {
+            "probes/G_content": [1.0, 1.0], "probes/G_rope": [2.0, 2.0], "probes/layers": [0, 1],
+            "probes/ratio_signs": draws(1.0), "probes/ratio_permutation": draws(permutation),
+            "probes/ratio_isotropic": draws(1 / (a_content + o_content)),
+            "probes/observations": [[[0, 0, g, g] for g in (1.0, 2.0, 3.0)]] * 2,
+            "probes/A_content": [a_content] * 2, "probes/O_content": [o_content] * 2,
+        },
+    }  # fmt: skip
+
+
+def test_a_permutation_that_does_not_raise_the_gain_is_explained_by_a_c_plus_o_c():
+    claim = "Whole-token permutation"
+    assert smol_column(claims_rows([probes_record(2.5, 0.3, 0.0)]), claim) == (
+        "median 2.50x",
+        "yes",
+    )
+    value, verdict = smol_column(claims_rows([probes_record(0.9, 1.0, 1.0)]), claim)
+    assert value == "median 0.90x"
+    assert verdict == (
+        "**no**: permutation does not raise the gain: G = T(A + O) predicts an even spread of the "
+        "content error at 1/(A_C + O_C) = 0.50x its gain (A_C median 1.000, O_C +1.000; measured "
+        "isotropic 0.50x): the paper's rise needs A_C + O_C well below 1"
+    )
