@@ -46,14 +46,14 @@ JOBS = (
         ("experiment=tiny_table1_v2",)),
     Job("tiny-mla-v2 sensitivity", "the tiny column's RoPE-sensitivity claim", "not measured",
         ("experiment=tiny_fig2_sensitivity",)),
-    Job("tiny-mla-v2 probes", "the tiny column's operator claim", "not measured",
+    Job("tiny-mla-v2 probes", "the tiny column's operator claim", "2-3 min a cell",
         ("experiment=tiny_table5_probes",)),
     Job("tiny-mla-v2 RULER", "the tiny column's retrieval claim: BF16, RTN", "not measured",
         ("experiment=tiny_fig4_ruler_v2",)),
     Job("tiny-mla-v2 RULER QuantMLA", "... and QuantMLA C4R4", "not measured",
         ("experiment=tiny_fig4_ruler_v2", "precision=c4r4", "method=quantmla")),
     Job("few-shot baselines", "Table 1 twin's few-shot columns: BF16, RTN, QuaRot†, SmoothQuant† C2R4",
-        "~30 min a cell", (*FEWSHOT, "precision=bf16,c2r4", "method=rtn,quarot,smoothquant")),
+        "19-30 min a cell", (*FEWSHOT, "precision=bf16,c2r4", "method=rtn,quarot,smoothquant")),
     Job("C4R4 baselines", "Table 1 twin's C4R4 rows", "7-22 min a cell",
         ("experiment=smol_table1", "precision=c4r4", "method=rtn,quarot,smoothquant")),
     Job("0-shot baselines", "the five tasks 0-shot (few of their prompts pass the 132 protected tokens)",
@@ -93,14 +93,14 @@ JOBS = (
         ("experiment=smol_fig4_ruler",)),
     # appended (a running queue keeps the numbers above): the claims table's remaining cells
     Job("tiny-mla-v2 path split", "the tiny column's ranking: each path of the baselines alone",
-        "not measured", ("experiment=tiny_table1_v2", "experiment_name=tiny_path_split",
+        "3 min", ("experiment=tiny_table1_v2", "experiment_name=tiny_path_split",
                          "eval=perplexity", "precision=c2r16,c16r4", "method=rtn,quarot,smoothquant")),
     Job("tiny-mla-v2 few-shot BF16", "whether the tiny testbed answers the accuracy claims at all "
         "(their BF16 against chance)", "not measured",
         ("experiment=tiny_table1_v2", "eval=commonsense_fewshot", "eval.limit=100", "precision=bf16",
          "method=rtn")),
     Job("cache-pressure throughput", "the throughput claim on SmolLM2-MLA: BF16 mode vs C4R4 at the "
-        "tiny twin's tightest budget, scaled (make serve-setup first)", "not measured",
+        "tiny twin's tightest budget, scaled (make serve-setup first)", "34 min",
         ("experiment=smol_fig5c_throughput",)),
 )  # fmt: skip
 
