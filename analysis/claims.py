@@ -122,6 +122,11 @@ def _delta(value: float, base: float) -> float:
     return 100 * (value / base - 1)
 
 
+def _separated(a: float, b: float) -> bool:
+    """Two perplexities further apart than the rounding spread."""
+    return abs(_delta(a, b)) > PPL_SPREAD
+
+
 def c4r4_parity(records, experiment) -> Verdict:
     bf16, ours = _ppl(records, "bf16"), _ppl(records, "c4r4", "quantmla")
     if bf16 is None or ours is None:
@@ -138,15 +143,15 @@ def c2r4_margin(records, experiment) -> Verdict:
         return _missing(experiment)
     best = min(base, key=base.get)
     value = f"{_delta(ours, bf16):+.2f} % vs {LABEL[best]} {_delta(base[best], bf16):+.2f} %"
-    if abs(_delta(ours, base[best])) <= PPL_SPREAD:
+    if not _separated(ours, base[best]):
         return Verdict(value, False, f"not separated: within the {PPL_SPREAD:g} % rounding spread")
     ok = ours < base[best]
     return Verdict(value, ok, "" if ok else f"{LABEL[best]} is lower")
 
 
-def _at_chance(records) -> str:
-    """Why the accuracy claims cannot be read on a testbed whose BF16 scores at chance, else ""."""
-    bf16 = _fewshot(records, "bf16")
+def _at_chance(bf16) -> str:
+    """Why the accuracy claims cannot be read on a testbed whose BF16 (`_fewshot`'s average and
+    standard error, or None) scores at chance, else ""."""
     if bf16 is None or bf16[0] - CHANCE > Z * bf16[1]:
         return ""
     return f"BF16 at chance ({bf16[0]:.1f} ± {bf16[1]:.1f} vs {CHANCE:.0f}): not measurable here"
@@ -154,7 +159,7 @@ def _at_chance(records) -> str:
 
 def c4r4_parity_points(records, experiment) -> Verdict:
     bf16, ours = _fewshot(records, "bf16"), _fewshot(records, "c4r4", "quantmla")
-    if chance := _at_chance(records):  # the quantized cells are not needed to say so
+    if chance := _at_chance(bf16):  # the quantized cells are not needed to say so
         return Verdict("—", None, chance)
     if bf16 is None or ours is None:
         return _missing(experiment, FEWSHOT_RUN)
@@ -165,10 +170,10 @@ def c4r4_parity_points(records, experiment) -> Verdict:
 
 
 def c2r4_margin_points(records, experiment) -> Verdict:
+    if chance := _at_chance(_fewshot(records, "bf16")):
+        return Verdict("—", None, chance)
     ours = _fewshot(records, "c2r4", "quantmla")
     base = {m: _fewshot(records, "c2r4", m) for m in BASELINES}
-    if chance := _at_chance(records):
-        return Verdict("—", None, chance)
     if ours is None or None in base.values():
         return _missing(experiment, FEWSHOT_RUN)
     best = max(base, key=lambda m: base[m][0])
@@ -188,17 +193,18 @@ def ranking(records, experiment, split=()) -> Verdict:
     order = sorted(ppl, key=ppl.get, reverse=True)  # worst first, as the paper lists them
     groups = [[order[0]]]  # neighbours within the rounding spread are not separated: one group
     for worse, better in zip(order, order[1:]):
-        if abs(_delta(ppl[better], ppl[worse])) <= PPL_SPREAD:
-            groups[-1].append(better)
-        else:
+        if _separated(ppl[better], ppl[worse]):
             groups.append([better])
+        else:
+            groups[-1].append(better)
     value = " < ".join(
         LABEL[g[0]] if len(g) == 1 else "{" + ", ".join(LABEL[m] for m in g) + "}" for g in groups
     )
-    if order == [*BASELINES, "quantmla"] and len(groups) == len(order):
-        return Verdict(value, True)
-    reason = "a different order" if order != [*BASELINES, "quantmla"] else "not separated"
-    return Verdict(value, False, reason + _per_path(split, order))
+    if order != [*BASELINES, "quantmla"]:
+        return Verdict(value, False, "a different order" + _per_path(split, order))
+    if len(groups) < len(order):
+        return Verdict(value, False, "not separated")
+    return Verdict(value, True)
 
 
 SPLIT = (("c2r16", "content alone"), ("c16r4", "RoPE alone"))  # one path quantized, the other BF16

@@ -94,7 +94,7 @@ JOBS = (
     # appended (a running queue keeps the numbers above): the claims table's remaining cells
     Job("tiny-mla-v2 path split", "the tiny column's ranking: each path of the baselines alone",
         "3 min", ("experiment=tiny_table1_v2", "experiment_name=tiny_path_split",
-                         "eval=perplexity", "precision=c2r16,c16r4", "method=rtn,quarot,smoothquant")),
+                  "eval=perplexity", "precision=c2r16,c16r4", "method=rtn,quarot,smoothquant")),
     Job("tiny-mla-v2 few-shot BF16", "whether the tiny testbed answers the accuracy claims at all "
         "(their BF16 against chance)", "not measured",
         ("experiment=tiny_table1_v2", "eval=commonsense_fewshot", "eval.limit=100", "precision=bf16",
