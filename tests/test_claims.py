@@ -46,6 +46,13 @@ def test_claims_without_records_say_what_would_give_them():
         "—: no records: `python -m quantmla.run experiment=smol_fig5c_throughput`"
     )
     assert _missing("smol_nothing").reason == "no records; no `smol_nothing` experiment yet"
+    rows = claims_rows(table1({("bf16", "rtn"): 20.0, ("c2r4", "rtn"): 30.0}))
+    assert smol_column(rows, "C4R4 QuantMLA")[1] == (
+        "—: no records of QuantMLA C4R4: `python -m quantmla.run experiment=smol_table1`"
+    )
+    assert smol_column(rows, "Ranking")[1].startswith(
+        "—: no records of SmoothQuant† C2R4, QuaRot† C2R4, QuantMLA C2R4:"
+    )
 
 
 def test_a_swapped_ranking_names_the_path_that_swaps_it():
