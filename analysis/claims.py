@@ -94,19 +94,17 @@ def _ppl(records: list[dict], precision: str, method: str | None = None) -> floa
 
 
 def _missing(experiment: str, overrides: str = "", cells: dict | None = None) -> Verdict:
-    """A row without its records: the cells it lacks (`cells`: name → value, None where absent)
-    and the run that gives them."""
+    """A row without its records: the Table 1 cells it lacks (`cells`: (precision, method) → value,
+    None where absent) and the run that gives them (cells that have records skip)."""
     if not (EXPERIMENTS / f"{experiment}.yaml").is_file():
         return Verdict("—", None, f"no records; no `{experiment}` experiment yet")
+    lacking = [cell for cell, value in (cells or {}).items() if value is None]
+    if lacking:
+        sweep = (",".join(dict.fromkeys(c[i] for c in lacking)) for i in (0, 1))
+        overrides = " ".join((overrides, "precision={} method={}".format(*sweep))).strip()
     run = f"python -m quantmla.run experiment={experiment}" + (f" {overrides}" if overrides else "")
-    lacking = [name for name, value in (cells or {}).items() if value is None]
-    return Verdict(
-        "—", None, f"no records{' of ' + ', '.join(lacking) if lacking else ''}: `{run}`"
-    )
-
-
-def _cell(precision: str, method: str | None = None) -> str:
-    return "BF16" if precision == "bf16" else f"{LABEL[method]} {precision.upper()}"
+    names = ", ".join("BF16" if p == "bf16" else f"{LABEL[m]} {p.upper()}" for p, m in lacking)
+    return Verdict("—", None, f"no records{' of ' + names if names else ''}: `{run}`")
 
 
 def _fewshot(records: list[dict], precision: str, method: str | None = None):
@@ -139,7 +137,7 @@ def _separated(a: float, b: float) -> bool:
 def c4r4_parity(records, experiment) -> Verdict:
     bf16, ours = _ppl(records, "bf16"), _ppl(records, "c4r4", "quantmla")
     if bf16 is None or ours is None:
-        return _missing(experiment, cells={_cell("bf16"): bf16, _cell("c4r4", "quantmla"): ours})
+        return _missing(experiment, cells={("bf16", "rtn"): bf16, ("c4r4", "quantmla"): ours})
     d = _delta(ours, bf16)
     ok = abs(d) <= C4R4_WITHIN
     return Verdict(f"{d:+.2f} % ppl", ok, "" if ok else f"more than {C4R4_WITHIN:g} % from BF16")
@@ -149,8 +147,8 @@ def c2r4_margin(records, experiment) -> Verdict:
     bf16, ours = _ppl(records, "bf16"), _ppl(records, "c2r4", "quantmla")
     base = {m: _ppl(records, "c2r4", m) for m in BASELINES}
     if bf16 is None or ours is None or None in base.values():
-        cells = {_cell("bf16"): bf16, _cell("c2r4", "quantmla"): ours}
-        return _missing(experiment, cells=cells | {_cell("c2r4", m): base[m] for m in base})
+        cells = {("bf16", "rtn"): bf16, ("c2r4", "quantmla"): ours}
+        return _missing(experiment, cells=cells | {("c2r4", m): base[m] for m in base})
     best = min(base, key=base.get)
     value = f"{_delta(ours, bf16):+.2f} % vs {LABEL[best]} {_delta(base[best], bf16):+.2f} %"
     if not _separated(ours, base[best]):
@@ -172,7 +170,7 @@ def c4r4_parity_points(records, experiment) -> Verdict:
     if chance := _at_chance(bf16):  # the quantized cells are not needed to say so
         return Verdict("—", None, chance)
     if bf16 is None or ours is None:
-        cells = {_cell("bf16"): bf16, _cell("c4r4", "quantmla"): ours}
+        cells = {("bf16", "rtn"): bf16, ("c4r4", "quantmla"): ours}
         return _missing(experiment, FEWSHOT_RUN, cells)
     d, se = _points(ours, bf16)
     value = f"{d:+.1f} ± {se:.1f} points ({ours[0]:.1f} vs {bf16[0]:.1f})"
@@ -186,7 +184,7 @@ def c2r4_margin_points(records, experiment) -> Verdict:
     ours = _fewshot(records, "c2r4", "quantmla")
     base = {m: _fewshot(records, "c2r4", m) for m in BASELINES}
     if ours is None or None in base.values():
-        cells = {_cell("c2r4", "quantmla"): ours} | {_cell("c2r4", m): base[m] for m in base}
+        cells = {("c2r4", "quantmla"): ours} | {("c2r4", m): base[m] for m in base}
         return _missing(experiment, FEWSHOT_RUN, cells)
     best = max(base, key=lambda m: base[m][0])
     d, se = _points(ours, base[best])
@@ -201,7 +199,7 @@ def c2r4_margin_points(records, experiment) -> Verdict:
 def ranking(records, experiment, split=()) -> Verdict:
     ppl = {m: _ppl(records, "c2r4", m) for m in (*BASELINES, "quantmla")}
     if None in ppl.values():
-        return _missing(experiment, cells={_cell("c2r4", m): ppl[m] for m in ppl})
+        return _missing(experiment, cells={("c2r4", m): ppl[m] for m in ppl})
     order = sorted(ppl, key=ppl.get, reverse=True)  # worst first, as the paper lists them
     groups = [[order[0]]]  # neighbours within the rounding spread are not separated: one group
     for worse, better in zip(order, order[1:]):

@@ -81,8 +81,9 @@ JOBS = (
         ("experiment=smol_table5_probes",)),
     Job("full sets", "Table 1 twin's perplexity on the full sets at 2,048 and 4,096", "~30 min a cell",
         ("experiment=smol_table1_full",)),
-    Job("few-shot C4R4", "Table 1 twin's few-shot columns at C4R4", "~30 min a cell",
-        (*FEWSHOT, "precision=c4r4", "method=rtn,quarot,smoothquant,quantmla")),
+    Job("few-shot C4R4", "Table 1 twin's few-shot columns at C4R4 (QuantMLA's first: the "
+        "accuracy-parity claim)", "~30 min a cell",
+        (*FEWSHOT, "precision=c4r4", "method=quantmla,rtn,quarot,smoothquant")),
     Job("frontier peers with QuantMLA", "the engines' 4-bit formats with QuantMLA's transforms",
         "~1.5 h fit a format", ("experiment=smol_frontier", "method=quantmla",
                                 "precision=c2r4,cnvfp4re4m3t,cmxfp4rmxfp4,clm4r16",

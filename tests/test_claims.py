@@ -48,10 +48,12 @@ def test_claims_without_records_say_what_would_give_them():
     assert _missing("smol_nothing").reason == "no records; no `smol_nothing` experiment yet"
     rows = claims_rows(table1({("bf16", "rtn"): 20.0, ("c2r4", "rtn"): 30.0}))
     assert smol_column(rows, "C4R4 QuantMLA")[1] == (
-        "—: no records of QuantMLA C4R4: `python -m quantmla.run experiment=smol_table1`"
+        "—: no records of QuantMLA C4R4: `python -m quantmla.run experiment=smol_table1 "
+        "precision=c4r4 method=quantmla`"
     )
-    assert smol_column(rows, "Ranking")[1].startswith(
-        "—: no records of SmoothQuant† C2R4, QuaRot† C2R4, QuantMLA C2R4:"
+    assert smol_column(rows, "Ranking")[1] == (
+        "—: no records of SmoothQuant† C2R4, QuaRot† C2R4, QuantMLA C2R4: `python -m quantmla.run "
+        "experiment=smol_table1 precision=c2r4 method=smoothquant,quarot,quantmla`"
     )
 
 
