@@ -192,8 +192,21 @@ def c2r4_margin_points(records, experiment) -> Verdict:
     if d > Z * se:
         return Verdict(value, True)
     if d > 0:
-        return Verdict(value, False, f"ahead by {d / se:.1f} standard errors: not separated")
+        why = f"ahead by {d / se:.1f} standard errors: not separated" + _resolution(records, se)
+        return Verdict(value, False, why)
     return Verdict(value, False, f"{LABEL[best]} is ahead")
+
+
+def _resolution(records: list[dict], se: float) -> str:
+    """What the few-shot average can resolve here: Z standard errors of a difference, beside RTN
+    C2R4's distance from BF16 in points and in perplexity (how far the proxy moves at all)."""
+    text = f" (the average resolves {Z * se:.1f} points here"
+    bf16, rtn = _fewshot(records, "bf16"), _fewshot(records, "c2r4", "rtn")
+    ppl_bf16, ppl_rtn = _ppl(records, "bf16"), _ppl(records, "c2r4", "rtn")
+    if None in (bf16, rtn, ppl_bf16, ppl_rtn):
+        return text + ")"
+    d, d_se = _points(rtn, bf16)
+    return text + f"; RTN C2R4, {_delta(ppl_rtn, ppl_bf16):+.1f} % ppl, is {d:+.1f} ± {d_se:.1f})"
 
 
 def ranking(records, experiment, split=()) -> Verdict:

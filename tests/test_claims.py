@@ -105,7 +105,12 @@ def test_accuracy_claims_weigh_the_difference_by_its_standard_error():
     rows = claims_rows(fewshot(acc))
     assert smol_column(rows, "In accuracy, C4R4")[1] == ("**no**: 2.4 standard errors from BF16")
     assert smol_column(rows, "In accuracy, C2R4")[1] == (
-        "**no**: ahead by 0.8 standard errors: not separated"
+        "**no**: ahead by 0.8 standard errors: not separated (the average resolves 2.5 points here)"
+    )
+    ppl = {("bf16", "rtn"): 20.0, ("c2r4", "rtn"): 30.0}  # RTN's perplexity cost beside its points
+    rows = claims_rows(fewshot(acc) + table1(ppl))
+    assert smol_column(rows, "In accuracy, C2R4")[1].endswith(
+        "(the average resolves 2.5 points here; RTN C2R4, +50.0 % ppl, is -10.0 ± 1.3)"
     )
     value, verdict = smol_column(
         claims_rows(fewshot({("c2r4", "quantmla"): 51.0})),
