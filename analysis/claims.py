@@ -108,21 +108,33 @@ def _missing(experiment: str, overrides: str = "", cells: dict | None = None) ->
 
 
 def _fewshot(records: list[dict], precision: str, method: str | None = None):
-    """(average, its standard error) in points of one Table 1 cell's five few-shot tasks (lm-eval's
-    per-task stderr, tasks independent), or None."""
+    """(average, its standard error, per-document scores or None) in points of one Table 1 cell's
+    five few-shot tasks (lm-eval's per-task stderr, tasks independent), or None."""
     for r in records:
         c, m = r["config"], r["metrics"]
         same = method is None or c["method"]["name"] == method
         if c["precision"]["name"] == precision and same and all(f"acc/{t}" in m for t in FEWSHOT):
             se = math.sqrt(sum(m[f"acc_stderr/{t}"] ** 2 for t in FEWSHOT)) / len(FEWSHOT)
-            return sum(m[f"acc/{t}"] for t in FEWSHOT) / len(FEWSHOT), se
+            docs = [m.get(f"docs/{t}") for t in FEWSHOT]
+            avg = sum(m[f"acc/{t}"] for t in FEWSHOT) / len(FEWSHOT)
+            return avg, se, None if None in docs else docs
     return None
 
 
-def _points(a, b) -> tuple[float, float]:
-    """a − b in points and its standard error (two independent averages: an upper bound, as both
-    score the same documents)."""
-    return a[0] - b[0], math.hypot(a[1], b[1])
+def _points(a, b) -> tuple[float, float, str]:
+    """a − b in points, its standard error and how it was taken: paired over the documents both
+    records scored where both keep their per-document scores, else two independent averages'
+    (an upper bound, as both score the same documents)."""
+    if a[2] is None or b[2] is None or any(len(x) != len(y) for x, y in zip(a[2], b[2])):
+        return a[0] - b[0], math.hypot(a[1], b[1]), ""
+    task_diffs = [100 * (np.asarray(x) - np.asarray(y)) for x, y in zip(a[2], b[2])]
+    var = sum(d.var(ddof=1) / len(d) for d in task_diffs) / len(FEWSHOT) ** 2
+    return sum(d.mean() for d in task_diffs) / len(FEWSHOT), math.sqrt(var), " paired"
+
+
+def _apart(d: float, se: float) -> float:
+    """|d| in standard errors (a zero standard error: any difference is apart)."""
+    return abs(d) / se if se else (math.inf if d else 0.0)
 
 
 def _delta(value: float, base: float) -> float:
@@ -172,10 +184,10 @@ def c4r4_parity_points(records, experiment) -> Verdict:
     if bf16 is None or ours is None:
         cells = {("bf16", "rtn"): bf16, ("c4r4", "quantmla"): ours}
         return _missing(experiment, FEWSHOT_RUN, cells)
-    d, se = _points(ours, bf16)
-    value = f"{d:+.1f} ± {se:.1f} points ({ours[0]:.1f} vs {bf16[0]:.1f})"
-    ok = abs(d) <= Z * se
-    return Verdict(value, ok, "" if ok else f"{abs(d) / se:.1f} standard errors from BF16")
+    d, se, how = _points(ours, bf16)
+    value = f"{d:+.1f} ± {se:.1f}{how} points ({ours[0]:.1f} vs {bf16[0]:.1f})"
+    ok = _apart(d, se) <= Z
+    return Verdict(value, ok, "" if ok else f"{_apart(d, se):.1f} standard errors from BF16")
 
 
 def c2r4_margin_points(records, experiment) -> Verdict:
@@ -187,14 +199,19 @@ def c2r4_margin_points(records, experiment) -> Verdict:
         cells = {("c2r4", "quantmla"): ours} | {("c2r4", m): base[m] for m in base}
         return _missing(experiment, FEWSHOT_RUN, cells)
     best = max(base, key=lambda m: base[m][0])
-    d, se = _points(ours, base[best])
-    value = f"{d:+.1f} ± {se:.1f} points vs {LABEL[best]} ({ours[0]:.1f} vs {base[best][0]:.1f})"
-    if d > Z * se:
+    d, se, how = _points(ours, base[best])
+    value = (
+        f"{d:+.1f} ± {se:.1f}{how} points vs {LABEL[best]} ({ours[0]:.1f} vs {base[best][0]:.1f})"
+    )
+    if d > 0 and _apart(d, se) > Z:
         return Verdict(value, True)
-    if d > 0:
-        why = f"ahead by {d / se:.1f} standard errors: not separated" + _resolution(records, se)
-        return Verdict(value, False, why)
-    return Verdict(value, False, f"{LABEL[best]} is ahead")
+    if _apart(d, se) > Z:
+        return Verdict(
+            value, False, f"{LABEL[best]} is ahead by {_apart(d, se):.1f} standard errors"
+        )
+    side = "ahead" if d >= 0 else "behind"
+    why = f"{side} by {_apart(d, se):.1f} standard errors: not separated" + _resolution(records, se)
+    return Verdict(value, False, why)
 
 
 def _resolution(records: list[dict], se: float) -> str:
@@ -205,8 +222,9 @@ def _resolution(records: list[dict], se: float) -> str:
     ppl_bf16, ppl_rtn = _ppl(records, "bf16"), _ppl(records, "c2r4", "rtn")
     if None in (bf16, rtn, ppl_bf16, ppl_rtn):
         return text + ")"
-    d, d_se = _points(rtn, bf16)
-    return text + f"; RTN C2R4, {_delta(ppl_rtn, ppl_bf16):+.1f} % ppl, is {d:+.1f} ± {d_se:.1f})"
+    d, d_se, how = _points(rtn, bf16)
+    ppl = _delta(ppl_rtn, ppl_bf16)
+    return text + f"; RTN C2R4, {ppl:+.1f} % ppl, is {d:+.1f} ± {d_se:.1f}{how} from BF16)"
 
 
 def ranking(records, experiment, split=()) -> Verdict:

@@ -1,5 +1,7 @@
 """analysis/claims.py: each claim's verdict from records, on synthetic stores with known answers."""
 
+import numpy as np
+
 from analysis.claims import _missing, claims_rows
 
 
@@ -77,9 +79,12 @@ def test_a_swapped_ranking_names_the_path_that_swaps_it():
     assert smol_column(rows, "Ranking")[1].endswith("neither path alone puts SmoothQuant† ahead")
 
 
+TASKS = ("hellaswag_10shot", "piqa_5shot", "arc_easy_25shot", "arc_challenge_25shot",
+         "winogrande_5shot")  # fmt: skip
+
+
 def fewshot(acc: dict[tuple[str, str], float], stderr: float = 2.0) -> list[dict]:
-    tasks = ("hellaswag_10shot", "piqa_5shot", "arc_easy_25shot", "arc_challenge_25shot",
-             "winogrande_5shot")  # fmt: skip
+    tasks = TASKS
     return [
         {"experiment": "smol_table1",
          "config": {"model": {"name": "smol_mla"}, "precision": {"name": p}, "method": {"name": m}},
@@ -110,13 +115,37 @@ def test_accuracy_claims_weigh_the_difference_by_its_standard_error():
     ppl = {("bf16", "rtn"): 20.0, ("c2r4", "rtn"): 30.0}  # RTN's perplexity cost beside its points
     rows = claims_rows(fewshot(acc) + table1(ppl))
     assert smol_column(rows, "In accuracy, C2R4")[1].endswith(
-        "(the average resolves 2.5 points here; RTN C2R4, +50.0 % ppl, is -10.0 ± 1.3)"
+        "(the average resolves 2.5 points here; RTN C2R4, +50.0 % ppl, is -10.0 ± 1.3 from BF16)"
     )
     value, verdict = smol_column(
         claims_rows(fewshot({("c2r4", "quantmla"): 51.0})),
         "In accuracy, C2R4",
     )
     assert value == "—" and "eval=commonsense_fewshot eval.limit=100" in verdict
+
+
+def test_records_with_per_document_scores_are_compared_paired():
+    """Two cells scoring the same documents: the difference's standard error from the per-document
+    differences (float64 reference below), far below the independent bound when they agree."""
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 2, size=(5, 100)).astype(float)  # QuaRot†: 5 tasks × 100 documents
+    ours = base.copy()
+    ours[:, :6] = 1.0  # agrees on 94 of each task's documents, gains where it differs
+    records = fewshot({("bf16", "rtn"): 60.0, ("c2r4", "rtn"): 40.0, ("c2r4", "smoothquant"): 41.0,
+                       ("c2r4", "quarot"): 100 * base.mean(), ("c2r4", "quantmla"): 100 * ours.mean()},
+                      stderr=5.0)  # fmt: skip
+    for r in records:
+        method = r["config"]["method"]["name"]
+        if method in ("quarot", "quantmla"):
+            scores = ours if method == "quantmla" else base
+            r["metrics"].update({f"docs/{t}": list(row) for t, row in zip(TASKS, scores)})
+            r["metrics"].update({f"acc/{t}": 100 * row.mean() for t, row in zip(TASKS, scores)})
+    diff = 100 * (ours - base)
+    se = np.sqrt(sum(d.var(ddof=1) / d.size for d in diff)) / 5
+    value, verdict = smol_column(claims_rows(records), "In accuracy, C2R4")
+    assert value.startswith(f"{diff.mean():+.1f} ± {se:.1f} paired points vs QuaRot†")
+    assert se < np.hypot(5.0, 5.0) / np.sqrt(5) / 3  # a third of the independent bound
+    assert diff.mean() > 1.96 * se and verdict == "yes"  # independently: 3.8 ± 3.2, not separated
 
 
 def test_accuracy_claims_are_not_read_where_bf16_scores_at_chance():

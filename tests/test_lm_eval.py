@@ -204,6 +204,8 @@ def test_local_tasks_score_4_documents_on_the_tiny_model_and_reach_the_store(tmp
         assert m[f"n/{name}"] == 4
         assert 0 <= m[f"acc/{name}"] <= 100
         assert f"acc_stderr/{name}" in m
+        docs = m[f"docs/{name}"]  # per document, for paired comparisons: their mean is the score
+        assert len(docs) == 4 and 100 * sum(docs) / 4 == pytest.approx(m[f"acc/{name}"])
     assert m["acc/avg"] == pytest.approx(
         sum(m[f"acc/{n}"] for n in record["config"]["eval"]["tasks"]) / 6
     )
@@ -255,6 +257,7 @@ def test_table1_local_suite_with_all_mmlu_subjects_on_the_tiny_model(tmp_path):
         )
     )
     assert record["metrics"]["n/mmlu"] == 4 * 57  # lm-eval's limit is per subject
+    assert len(record["metrics"]["docs/mmlu"]) == 4 * 57  # the group's documents, subject by subject
 
 
 # --------------------------------------------------------------------------------------- RULER

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from quantmla.evaluation.lm_eval.samples import document_scores, trim
 from quantmla.evaluation.lm_eval.suites import TASKS, TASKS_DIR, data_mode
 from quantmla.tracking.store import LM_EVAL_RESULTS
 
@@ -106,7 +107,7 @@ def run_lm_eval(cfg, prepared, specs: list[str], metadata: dict, limit=None, max
         task_manager=task_manager(metadata),
         gen_kwargs={"max_gen_toks": ev.max_gen_toks} if ev.max_gen_toks else None,
         apply_chat_template=ev.apply_chat_template,
-        log_samples=logs_to_wandb(cfg),  # sample predictions only for lm-eval's W&B logger
+        log_samples=True,  # per-document scores (paired comparisons); W&B's sample tables
         bootstrap_iters=1000,
         confirm_run_unsafe_code=any(TASKS[t].code for t in ev.tasks if t in TASKS),
         random_seed=cfg.seed,
@@ -153,6 +154,11 @@ def _number(value):
     return float(value) if isinstance(value, (int, float)) else None
 
 
+def _members(task: str, groups: dict[str, list[str]]) -> list[str]:
+    """A task's name, or a group's and every task under it (nested groups: upstream MMLU)."""
+    return [task, *(name for sub in groups.get(task, []) for name in _members(sub, groups))]
+
+
 def evaluate(cfg, prepared) -> dict:
     """acc/<task> (the paper's metric, in %), acc_stderr/<task>, n/<task>, and acc/avg."""
     import lm_eval
@@ -169,6 +175,7 @@ def evaluate(cfg, prepared) -> dict:
     )
     metrics: dict = {"lm_eval/version": lm_eval.__version__, "lm_eval/limit": ev.limit}
     lengths = results.pop(REQUEST_TOKENS, {})
+    samples = trim(results.get("samples") or {})
     protected = prepared.policy.sink + prepared.policy.recent
     for t in tasks:
         key = t.result_key(data)
@@ -181,15 +188,12 @@ def evaluate(cfg, prepared) -> dict:
         stderr = _number(row.get(f"{metric_name}_stderr,{filt}"))
         if stderr is not None:
             metrics[f"acc_stderr/{t.name}"] = 100 * stderr
-        n = results.get("n-samples", {}).get(key, {}).get("effective")
-        if n is None:  # a group (MMLU): its members' documents
-            n = sum(
-                s.get("effective", 0)
-                for name, s in results.get("n-samples", {}).items()
-                if name in results.get("group_subtasks", {}).get(key, [])
-            )
-        metrics[f"n/{t.name}"] = int(n)
-        names = [key, *results.get("group_subtasks", {}).get(key, [])]
+        names = _members(key, results.get("group_subtasks", {}))
+        n_samples = results.get("n-samples", {})  # a group (MMLU): its members' documents
+        metrics[f"n/{t.name}"] = sum(n_samples.get(name, {}).get("effective", 0) for name in names)
+        scores = document_scores(samples, names, t.metric)
+        if scores is not None:  # in the metric's units (acc: 0 / 1), documents in doc_id order
+            metrics[f"docs/{t.name}"] = scores
         for name, value in prompt_metrics(names, lengths, protected).items():
             metrics[f"{name}/{t.name}"] = value
     metrics["acc/avg"] = sum(metrics[f"acc/{t.name}"] for t in tasks) / len(tasks)

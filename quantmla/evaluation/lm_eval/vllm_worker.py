@@ -7,7 +7,7 @@ results back).
 REQUEST holds the export, the cache (`precision`: bf16 for the BF16 mode, null for the export's
 format), the engine sizes, and `simple_evaluate`'s arguments (task specs, the task folder, the
 tasks' metadata, limit, generation and seeds). RESULTS keeps the parts of lm-eval's results the
-runner reads: `results`, `n-samples`, `group_subtasks`.
+runner reads: `results`, `n-samples`, `group_subtasks`, and `samples` trimmed to per-document scores.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+from quantmla.evaluation.lm_eval.samples import trim
 from quantmla.serving.engine import alias_vllm_distribution, engine_args
 
 
@@ -45,7 +46,7 @@ def run(request: dict) -> dict:
         ),
         gen_kwargs=request.get("gen_kwargs"),
         apply_chat_template=request.get("apply_chat_template", False),
-        log_samples=False,
+        log_samples=True,
         bootstrap_iters=1000,
         confirm_run_unsafe_code=request.get("confirm_run_unsafe_code", False),
         random_seed=request["seed"],
@@ -53,7 +54,8 @@ def run(request: dict) -> dict:
         torch_random_seed=request["seed"],
         fewshot_random_seed=1234,
     )
-    return {k: results.get(k, {}) for k in ("results", "n-samples", "group_subtasks")}
+    kept = {k: results.get(k, {}) for k in ("results", "n-samples", "group_subtasks")}
+    return kept | {"samples": trim(results.get("samples") or {})}
 
 
 def main() -> None:
