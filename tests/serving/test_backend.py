@@ -156,6 +156,9 @@ def test_lm_eval_on_vllm_scores_like_the_hf_engine(tmp_path):
             if json.loads(p.read_text())["config"]["eval"]["engine"] == engine
         ]
         scores[engine] = {t: record["metrics"][f"acc/{t}"] for t in ("arc_easy", "piqa")}
+        for t in ("arc_easy", "piqa"):  # the worker's trimmed samples: each document's score
+            docs = record["metrics"][f"docs/{t}"]
+            assert len(docs) == 20 and 100 * sum(docs) / 20 == pytest.approx(scores[engine][t])
     print(f"hf {scores['hf']} vs vllm {scores['vllm']}")
     for task in ("arc_easy", "piqa"):  # one document is 5 points: allow one near-tie flip
         assert abs(scores["hf"][task] - scores["vllm"][task]) <= 5.0 + 1e-9
