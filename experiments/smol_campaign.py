@@ -103,6 +103,12 @@ JOBS = (
     Job("cache-pressure throughput", "the throughput claim on SmolLM2-MLA: BF16 mode vs C4R4 at the "
         "tiny twin's tightest budget, scaled (make serve-setup first)", "34 min",
         ("experiment=smol_fig5c_throughput",)),
+    # records before 2026-12-04 kept no per-document scores; force=true recomputes the records
+    # (the artifacts load; a rerun recomputes every cell again) and says whether lm-eval's scores
+    # reproduce (git diff of the records)
+    Job("few-shot per-document scores", "the C2R4 cells again with each document's score: the "
+        "accuracy claims compared paired", "~20 min a cell",
+        (*FEWSHOT, "precision=bf16,c2r4", "method=rtn,quantmla,quarot,smoothquant", "force=true")),
 )  # fmt: skip
 
 

@@ -250,7 +250,10 @@ class RunConfig:
     logger: LoggerConfig = opt(help="W&B mirror of the record", factory=LoggerConfig)
     experiment_name: str = opt("default", "results/<experiment_name>/...; W&B group")
     seed: int = opt(0, "seeds data sampling and calibration")
-    force: bool = opt(False, "recompute even if a record with this config hash exists")
+    force: bool = opt(
+        False,
+        "recompute the record even if one with this config hash exists (a calibrated method's matching artifact is loaded, not refitted)",
+    )
     threads: int = opt(0, "torch CPU threads (0: torch's default)")
 
 

@@ -93,7 +93,8 @@ def test_calibration_does_not_import_the_simulator():
 @needs_tiny
 def test_matching_artifact_is_loaded_without_capture(tmp_path, monkeypatch, capsys):
     """Run 1 calibrates and saves; run 2 (another eval setting, same calibration) loads the artifact
-    and never captures; force=true with method.artifact=<that file> loads it too."""
+    and never captures; force=true (recomputing the record) and method.artifact=<that file> load it
+    too."""
     import quantmla.methods.prepare as prepare_module
 
     first = run(run_config(*tiny_job(tmp_path, *CALIBRATE_FAST)))
@@ -113,3 +114,7 @@ def test_matching_artifact_is_loaded_without_capture(tmp_path, monkeypatch, caps
         )
     )
     assert third["metrics"]["ppl/wikitext2"] == pytest.approx(first["metrics"]["ppl/wikitext2"])
+    again = run(run_config(*tiny_job(tmp_path, *CALIBRATE_FAST, "force=true")))  # the record only
+    assert again["config_hash"] == first["config_hash"] and "loading smoothquant artifact" in (
+        capsys.readouterr().out
+    )

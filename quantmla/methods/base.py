@@ -120,7 +120,7 @@ def load_artifact(path: str | Path, expected: dict[str, str]) -> MethodResult:
         if metadata.get(key) != str(value):
             raise ArtifactMismatchError(
                 f"artifact {path}: metadata {key}={metadata.get(key)!r} but this run needs {value!r}; "
-                "recalibrate (force=true) or point method.artifact elsewhere"
+                "delete it to recalibrate, or point method.artifact elsewhere"
             )
     tensors = load_file(str(path))
     layers = []

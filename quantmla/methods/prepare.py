@@ -84,7 +84,7 @@ def prepare_method(
         print(f"[quantmla] loading {method.name} artifact {path}")
         return load_artifact(path, expected)
     path = paths.artifacts_dir / method.name / f"{stable_hash(expected, 16)}.safetensors"
-    if path.is_file() and not cfg.force:
+    if path.is_file():  # force=true recomputes the record, not a fit its metadata pins: delete it
         print(f"[quantmla] loading {method.name} artifact {path}")
         return load_artifact(path, expected)
     started = time.time()
