@@ -257,7 +257,9 @@ def test_table1_local_suite_with_all_mmlu_subjects_on_the_tiny_model(tmp_path):
         )
     )
     assert record["metrics"]["n/mmlu"] == 4 * 57  # lm-eval's limit is per subject
-    assert len(record["metrics"]["docs/mmlu"]) == 4 * 57  # the group's documents, subject by subject
+    assert (
+        len(record["metrics"]["docs/mmlu"]) == 4 * 57
+    )  # the group's documents, subject by subject
 
 
 # --------------------------------------------------------------------------------------- RULER
