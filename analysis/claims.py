@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -107,9 +108,16 @@ def _missing(experiment: str, overrides: str = "", cells: dict | None = None) ->
     return Verdict("—", None, f"no records{' of ' + names if names else ''}: `{run}`")
 
 
-def _fewshot(records: list[dict], precision: str, method: str | None = None):
-    """(average, its standard error, per-document scores or None) in points of one Table 1 cell's
-    five few-shot tasks (lm-eval's per-task stderr, tasks independent), or None."""
+class FewShot(NamedTuple):
+    """One Table 1 cell's five few-shot tasks: their average and its standard error in points
+    (lm-eval's per-task stderr, tasks independent), and each task's per-document scores or None."""
+
+    avg: float
+    se: float
+    docs: list[list[float]] | None
+
+
+def _fewshot(records: list[dict], precision: str, method: str | None = None) -> FewShot | None:
     for r in records:
         c, m = r["config"], r["metrics"]
         same = method is None or c["method"]["name"] == method
@@ -117,17 +125,17 @@ def _fewshot(records: list[dict], precision: str, method: str | None = None):
             se = math.sqrt(sum(m[f"acc_stderr/{t}"] ** 2 for t in FEWSHOT)) / len(FEWSHOT)
             docs = [m.get(f"docs/{t}") for t in FEWSHOT]
             avg = sum(m[f"acc/{t}"] for t in FEWSHOT) / len(FEWSHOT)
-            return avg, se, None if None in docs else docs
+            return FewShot(avg, se, None if None in docs else docs)
     return None
 
 
-def _points(a, b) -> tuple[float, float, str]:
+def _points(a: FewShot, b: FewShot) -> tuple[float, float, str]:
     """a − b in points, its standard error and how it was taken: paired over the documents both
     records scored where both keep their per-document scores, else two independent averages'
     (an upper bound, as both score the same documents)."""
-    if a[2] is None or b[2] is None or any(len(x) != len(y) for x, y in zip(a[2], b[2])):
-        return a[0] - b[0], math.hypot(a[1], b[1]), ""
-    task_diffs = [100 * (np.asarray(x) - np.asarray(y)) for x, y in zip(a[2], b[2])]
+    if a.docs is None or b.docs is None or any(len(x) != len(y) for x, y in zip(a.docs, b.docs)):
+        return a.avg - b.avg, math.hypot(a.se, b.se), ""
+    task_diffs = [100 * (np.asarray(x) - np.asarray(y)) for x, y in zip(a.docs, b.docs)]
     var = sum(d.var(ddof=1) / len(d) for d in task_diffs) / len(FEWSHOT) ** 2
     return sum(d.mean() for d in task_diffs) / len(FEWSHOT), math.sqrt(var), " paired"
 
@@ -172,9 +180,9 @@ def c2r4_margin(records, experiment) -> Verdict:
 def _at_chance(bf16) -> str:
     """Why the accuracy claims cannot be read on a testbed whose BF16 (`_fewshot`'s average and
     standard error, or None) scores at chance, else ""."""
-    if bf16 is None or bf16[0] - CHANCE > Z * bf16[1]:
+    if bf16 is None or bf16.avg - CHANCE > Z * bf16.se:
         return ""
-    return f"BF16 at chance ({bf16[0]:.1f} ± {bf16[1]:.1f} vs {CHANCE:.0f}): not measurable here"
+    return f"BF16 at chance ({bf16.avg:.1f} ± {bf16.se:.1f} vs {CHANCE:.0f}): not measurable here"
 
 
 def c4r4_parity_points(records, experiment) -> Verdict:
@@ -185,40 +193,39 @@ def c4r4_parity_points(records, experiment) -> Verdict:
         cells = {("bf16", "rtn"): bf16, ("c4r4", "quantmla"): ours}
         return _missing(experiment, FEWSHOT_RUN, cells)
     d, se, how = _points(ours, bf16)
-    value = f"{d:+.1f} ± {se:.1f}{how} points ({ours[0]:.1f} vs {bf16[0]:.1f})"
+    value = f"{d:+.1f} ± {se:.1f}{how} points ({ours.avg:.1f} vs {bf16.avg:.1f})"
     ok = _apart(d, se) <= Z
     return Verdict(value, ok, "" if ok else f"{_apart(d, se):.1f} standard errors from BF16")
 
 
 def c2r4_margin_points(records, experiment) -> Verdict:
-    if chance := _at_chance(_fewshot(records, "bf16")):
+    if chance := _at_chance(bf16 := _fewshot(records, "bf16")):
         return Verdict("—", None, chance)
     ours = _fewshot(records, "c2r4", "quantmla")
     base = {m: _fewshot(records, "c2r4", m) for m in BASELINES}
     if ours is None or None in base.values():
         cells = {("c2r4", "quantmla"): ours} | {("c2r4", m): base[m] for m in base}
         return _missing(experiment, FEWSHOT_RUN, cells)
-    best = max(base, key=lambda m: base[m][0])
+    best = max(base, key=lambda m: base[m].avg)
     d, se, how = _points(ours, base[best])
     value = (
-        f"{d:+.1f} ± {se:.1f}{how} points vs {LABEL[best]} ({ours[0]:.1f} vs {base[best][0]:.1f})"
+        f"{d:+.1f} ± {se:.1f}{how} points vs {LABEL[best]} ({ours.avg:.1f} vs {base[best].avg:.1f})"
     )
-    if d > 0 and _apart(d, se) > Z:
+    apart = _apart(d, se)
+    if apart > Z and d > 0:
         return Verdict(value, True)
-    if _apart(d, se) > Z:
-        return Verdict(
-            value, False, f"{LABEL[best]} is ahead by {_apart(d, se):.1f} standard errors"
-        )
+    if apart > Z:
+        return Verdict(value, False, f"{LABEL[best]} is ahead by {apart:.1f} standard errors")
     side = "ahead" if d >= 0 else "behind"
-    why = f"{side} by {_apart(d, se):.1f} standard errors: not separated" + _resolution(records, se)
+    why = f"{side} by {apart:.1f} standard errors: not separated" + _resolution(records, se, bf16)
     return Verdict(value, False, why)
 
 
-def _resolution(records: list[dict], se: float) -> str:
+def _resolution(records: list[dict], se: float, bf16: FewShot | None) -> str:
     """What the few-shot average can resolve here: Z standard errors of a difference, beside RTN
     C2R4's distance from BF16 in points and in perplexity (how far the proxy moves at all)."""
     text = f" (the average resolves {Z * se:.1f} points here"
-    bf16, rtn = _fewshot(records, "bf16"), _fewshot(records, "c2r4", "rtn")
+    rtn = _fewshot(records, "c2r4", "rtn")
     ppl_bf16, ppl_rtn = _ppl(records, "bf16"), _ppl(records, "c2r4", "rtn")
     if None in (bf16, rtn, ppl_bf16, ppl_rtn):
         return text + ")"

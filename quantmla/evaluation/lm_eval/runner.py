@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from quantmla.evaluation.lm_eval.samples import document_scores, trim
+from quantmla.evaluation.lm_eval.samples import document_scores
 from quantmla.evaluation.lm_eval.suites import TASKS, TASKS_DIR, data_mode
 from quantmla.tracking.store import LM_EVAL_RESULTS
 
@@ -175,7 +175,7 @@ def evaluate(cfg, prepared) -> dict:
     )
     metrics: dict = {"lm_eval/version": lm_eval.__version__, "lm_eval/limit": ev.limit}
     lengths = results.pop(REQUEST_TOKENS, {})
-    samples = trim(results.get("samples") or {})
+    samples = results.get("samples") or {}  # lm-eval's logged examples (vLLM: trimmed)
     protected = prepared.policy.sink + prepared.policy.recent
     for t in tasks:
         key = t.result_key(data)
