@@ -29,6 +29,7 @@ class Job(NamedTuple):
 
 FEWSHOT = ("experiment=smol_table1", "eval=commonsense_fewshot", "eval.limit=100")
 SUITE = ("experiment=smol_table1", "eval=table1_suite")
+GRID = ("precision=bf16,c4r4,c2r4", "method=quantmla,rtn,quarot,smoothquant")
 JOBS = (
     Job("path split", "why SmoothQuant† is ahead of QuaRot† (claims table)", "~1 h: 6 cells",
         ("experiment=smol_table1", "experiment_name=smol_path_split", "precision=c2r16,c16r4",
@@ -56,15 +57,15 @@ JOBS = (
         "19-30 min a cell", (*FEWSHOT, "precision=bf16,c2r4", "method=rtn,quarot,smoothquant")),
     Job("C4R4 baselines", "Table 1 twin's C4R4 rows", "7-22 min a cell",
         ("experiment=smol_table1", "precision=c4r4", "method=rtn,quarot,smoothquant")),
-    Job("0-shot baselines", "the five tasks 0-shot (few of their prompts pass the 132 protected tokens)",
-        "not measured", (*SUITE, "eval.tasks=[hellaswag,piqa,arc_easy,arc_challenge,winogrande]",
-                         "eval.limit=100", "precision=bf16,c2r4", "method=rtn,quarot,smoothquant")),
-    Job("MMLU 5-shot", "MMLU column, 2 documents of each of the 57 subjects", "~10 min a cell",
-        (*SUITE, "eval.tasks=[mmlu]", "eval.limit=2", "precision=bf16,c2r4",
-         "method=rtn,quarot,smoothquant")),
-    Job("GSM8K 5-shot", "GSM8K column (near zero at 135M: reported anyway)", "not measured",
-        (*SUITE, "eval.tasks=[gsm8k]", "eval.limit=50", "precision=bf16,c2r4",
-         "method=rtn,quarot,smoothquant")),
+    # the suite's columns for every row of the twin: QuantMLA first, BF16 once (method=rtn)
+    Job("0-shot", "the five tasks 0-shot, every row (few of their prompts pass the 132 protected "
+        "tokens)", "not measured",
+        (*SUITE, "eval.tasks=[hellaswag,piqa,arc_easy,arc_challenge,winogrande]", "eval.limit=100",
+         *GRID)),
+    Job("MMLU 5-shot", "MMLU column, 2 documents of each of the 57 subjects, every row",
+        "~10 min a cell", (*SUITE, "eval.tasks=[mmlu]", "eval.limit=2", *GRID)),
+    Job("GSM8K 5-shot", "GSM8K column, every row (near zero at 135M: reported anyway)",
+        "not measured", (*SUITE, "eval.tasks=[gsm8k]", "eval.limit=50", *GRID)),
     Job("few-shot QuantMLA C2R4", "QuantMLA's few-shot row (fits C2R4 unless its artifact exists)",
         "~1 h fit + 30 min", (*FEWSHOT, "precision=c2r4", "method=quantmla")),
     Job("QuantMLA C4R4", "Table 1 twin's C4R4 QuantMLA row (C4R4 parity claim)", "57 min: 53 of it calibration",
@@ -90,8 +91,8 @@ JOBS = (
                                 "method.calibration.seqlen=512")),
     # vLLM on 2 cores: ~125 prompt tokens/s (1 sample a variant at 1K: 23 s; at 4K + 8K: 283 s),
     # 12x slower beside another job (its threads are bound to the cores)
-    Job("RULER", "Fig. 4 twin through vLLM (make serve-setup first)", "~2 h a cell",
-        ("experiment=smol_fig4_ruler",)),
+    Job("RULER", "Fig. 4 twin through vLLM: BF16, QuantMLA and RTN C4R4 (make serve-setup first)",
+        "~2 h a cell", ("experiment=smol_fig4_ruler",)),
     # appended (a running queue keeps the numbers above): the claims table's remaining cells
     Job("tiny-mla-v2 path split", "the tiny column's ranking: each path of the baselines alone",
         "3 min", ("experiment=tiny_table1_v2", "experiment_name=tiny_path_split",
