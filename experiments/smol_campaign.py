@@ -110,6 +110,10 @@ JOBS = (
     Job("few-shot per-document scores", "the C2R4 cells again with each document's score: the "
         "accuracy claims compared paired", "~20 min a cell",
         (*FEWSHOT, "precision=bf16,c2r4", "method=rtn,quantmla,quarot,smoothquant", "force=true")),
+    Job("FP8 formats with QuantMLA", "the engines' FP8 caches (vLLM fp8, fp8_ds_mla) with "
+        "QuantMLA's transforms, beside job 21's 4-bit ones", "~1 h fit a format (as job 15)",
+        ("experiment=smol_frontier", "method=quantmla", "precision=ce4m3tre4m3t,ce4m3r16",
+         "method.calibration.seqlen=512")),
 )  # fmt: skip
 
 
