@@ -210,3 +210,58 @@ def test_a_permutation_that_does_not_raise_the_gain_is_explained_by_a_c_plus_o_c
         "content error at 1/(A_C + O_C) = 0.50x its gain (A_C median 1.000, O_C +1.000; measured "
         "isotropic 0.50x): the paper's rise needs A_C + O_C well below 1"
     )
+
+
+def ruler(cells: dict[tuple[str, str], np.ndarray], n: int) -> list[dict]:
+    """RULER records: each cell's (3 tasks, 2 lengths, n samples) scores of 0 / 1, kept per sample."""
+    records = []
+    for (p, m), scores in cells.items():
+        metrics = {"ruler/samples_per_length": n}
+        for task, per_length in zip(("s_niah_1", "s_niah_2", "s_niah_3"), scores):
+            for length, docs in zip((1024, 2048), per_length):
+                metrics[f"ruler/{task}/{length}"] = 100 * docs.mean()
+                metrics[f"docs/ruler/{task}/{length}"] = list(docs)
+            metrics[f"ruler/{task}/avg"] = 100 * per_length.mean()
+        config = {"model": {"name": "smol_mla"}, "precision": {"name": p}, "method": {"name": m}}
+        records.append({"experiment": "smol_fig4_ruler", "config": config, "metrics": metrics})
+    return records
+
+
+def test_retrieval_is_compared_paired_per_sample_and_a_task_bf16_cannot_do_is_left_out():
+    rng = np.random.default_rng(1)
+    bf16 = (rng.random((3, 2, 40)) < 0.9).astype(float)
+    bf16[2] = 0.0  # S-NIAH-3: BF16 retrieves nothing
+    ours = bf16.copy()
+    ours[0, :, :2] = 0.0  # S-NIAH-1: a few samples lost, within 5 points
+    rows = claims_rows(ruler({("bf16", "rtn"): bf16, ("c4r4", "quantmla"): ours}, 40))
+    value, verdict = smol_column(rows, "RULER")
+    assert value.startswith(f"{100 * ours[0].mean():.1f} / ") and "(BF16 " in value
+    assert verdict == "yes: BF16 cannot retrieve S-NIAH-3"
+    ours[1, :, :8] = 0.0  # S-NIAH-2 loses up to 8 of 40 samples a length: beyond 5 points
+    lost = 100 * (bf16[1] - ours[1])  # float64 reference of the paired standard error
+    se = np.sqrt(sum(d.var(ddof=1) / d.size for d in lost)) / 2
+    rows = claims_rows(ruler({("bf16", "rtn"): bf16, ("c4r4", "quantmla"): ours}, 40))
+    assert smol_column(rows, "RULER")[1] == (
+        f"**no**: S-NIAH-2 {lost.mean():.1f} ± {se:.1f} paired points below BF16"
+        + (": not separated from the 5-point margin" if lost.mean() - 1.96 * se <= 5 else "")
+        + "; BF16 cannot retrieve S-NIAH-3"
+    )
+    records = ruler({("bf16", "rtn"): bf16, ("c4r4", "quantmla"): ours}, 40)
+    for r in records:  # without per-sample scores: two independent proportions' bound
+        r["metrics"] = {k: v for k, v in r["metrics"].items() if not k.startswith("docs/")}
+    p, q = 100 * bf16[1].mean(axis=1), 100 * ours[1].mean(axis=1)
+    independent = np.sqrt(sum(p * (100 - p) + q * (100 - q)) / 40) / 2
+    assert (
+        f"{lost.mean():.1f} ± {independent:.1f} points below"
+        in smol_column(claims_rows(records), "RULER")[1]
+    )
+    assert independent > se
+    only_bf16 = claims_rows(ruler({("bf16", "rtn"): bf16}, 40))
+    assert smol_column(only_bf16, "RULER")[1] == (
+        "—: no records of QuantMLA C4R4: `python -m quantmla.run experiment=smol_fig4_ruler "
+        "precision=c4r4 method=quantmla`"
+    )
+    blind = ruler({("bf16", "rtn"): 0 * bf16, ("c4r4", "quantmla"): 0 * ours}, 40)
+    assert smol_column(claims_rows(blind), "RULER")[1] == (
+        "—: BF16 cannot retrieve S-NIAH-1, S-NIAH-2, S-NIAH-3: not measurable here"
+    )

@@ -28,7 +28,8 @@ def import_upstream_ruler_quietly() -> None:
 
 
 def evaluate(cfg, prepared) -> dict:
-    """ruler/<task>/<length> and ruler/<task>/avg: string-match accuracy in %."""
+    """ruler/<task>/<length> and ruler/<task>/avg: string-match accuracy in %; docs/ruler/<task>/
+    <length>: each sample's score (0-1, in doc_id order: the same samples for every cache)."""
     from quantmla.evaluation.lm_eval.runner import attach_results, run_lm_eval
 
     ev = cfg.eval
@@ -51,13 +52,24 @@ def evaluate(cfg, prepared) -> dict:
         max_length=max(ev.context_lengths),
     )
     metrics: dict = {"ruler/samples_per_length": metadata["num_samples"]}
+    samples = results.get("samples") or {}
     for task in ev.tasks:
         row = results["results"][RULER_TASKS[task]]
         scores = [100 * float(row[f"{length},none"]) for length in ev.context_lengths]
         for length, score in zip(ev.context_lengths, scores):
             metrics[f"ruler/{task}/{length}"] = score
+            if docs := _length_scores(samples.get(RULER_TASKS[task], ()), length):
+                metrics[f"docs/ruler/{task}/{length}"] = docs
         metrics[f"ruler/{task}/avg"] = sum(scores) / len(scores)
     return attach_results(cfg, metrics, results)
+
+
+def _length_scores(examples, length: int) -> list[float]:
+    """The scores of one length's samples in doc_id order, from lm-eval's logged examples: a
+    sample scores its own length and marks upstream's default lengths -1 (RULER's convention)."""
+    key = str(length)
+    ours = [ex for ex in examples if ex.get(key, -1) != -1 and ex.get("filter", "none") == "none"]
+    return [float(ex[key]) for ex in sorted(ours, key=lambda ex: ex["doc_id"])]
 
 
 def format_table(record: dict) -> str:
