@@ -265,3 +265,30 @@ def test_retrieval_is_compared_paired_per_sample_and_a_task_bf16_cannot_do_is_le
     assert smol_column(claims_rows(blind), "RULER")[1] == (
         "—: BF16 cannot retrieve S-NIAH-1, S-NIAH-2, S-NIAH-3: not measurable here"
     )
+
+
+def test_an_unseparated_margin_says_how_many_documents_each_cache_changes():
+    """Averages that cannot separate the caches, while the documents they score differently from
+    BF16 do: each cell's share counted here by hand (flips both ways leave the average put)."""
+    rng = np.random.default_rng(2)
+    bf16 = rng.integers(0, 2, size=(5, 100)).astype(float)
+
+    def flipped(n, gained=0):  # n documents a task changed both ways, then `gained` more won
+        out = bf16.copy()
+        for row in out:
+            ones, zeros = np.flatnonzero(row == 1)[: n // 2], np.flatnonzero(row == 0)
+            row[ones], row[zeros[: n // 2 + gained]] = 0.0, 1.0
+        return out
+
+    docs = {("bf16", "rtn"): bf16, ("c2r4", "quantmla"): flipped(2),
+            ("c2r4", "quarot"): flipped(4, gained=1), ("c2r4", "smoothquant"): flipped(8),
+            ("c2r4", "rtn"): flipped(20)}  # fmt: skip
+    records = fewshot({cell: 100 * d.mean() for cell, d in docs.items()}, stderr=5.0)
+    for r, d in zip(records, docs.values()):
+        r["metrics"].update({f"docs/{t}": list(row) for t, row in zip(TASKS, d)})
+    verdict = smol_column(claims_rows(records), "In accuracy, C2R4")[1]
+    shares = {m: 100 * (docs["c2r4", m] != bf16).mean() for m in ("quantmla", "quarot", "rtn")}
+    assert shares == {"quantmla": 2.0, "quarot": 5.0, "rtn": 20.0}
+    assert "not separated" in verdict and verdict.endswith(
+        "; documents whose outcome differs from BF16's: QuantMLA 2.0 %, QuaRot† 5.0 %, RTN 20.0 %"
+    )
