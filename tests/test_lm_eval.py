@@ -338,7 +338,8 @@ def test_ruler_job_scores_each_task_and_length_into_the_record(tmp_path, capsys)
         for length in (512, 1024):
             assert m[f"ruler/{task}/{length}"] in (0.0, 100.0)
             # each sample's score, of that length only: their mean is lm-eval's
-            assert [100 * d for d in m[f"docs/ruler/{task}/{length}"]] == [m[f"ruler/{task}/{length}"]]
+            scores = m[f"docs/ruler/{task}/{length}"]
+            assert [100 * d for d in scores] == [m[f"ruler/{task}/{length}"]]
         assert m[f"ruler/{task}/avg"] == (m[f"ruler/{task}/512"] + m[f"ruler/{task}/1024"]) / 2
     assert "punkt" not in capsys.readouterr().out
 
