@@ -223,19 +223,24 @@ def c2r4_margin_points(records, experiment) -> Verdict:
     why = f"{side} by {apart:.1f} standard errors: not separated" + _resolution(records, se, bf16)
     cells = {"quantmla": ours} | {m: base[m] for m in (best, "rtn")}
     changed = {m: _changed(c, bf16) for m, c in cells.items()}
-    if bf16 is not None and None not in changed.values():  # what the averages hide, paired
-        shares = ", ".join(f"{LABEL[m]} {v:.1f} %" for m, v in changed.items())
-        why += f"; documents whose outcome differs from BF16's: {shares}"
+    if all(v is not None for v in changed.values()):  # what the averages hide, paired
+        shares = ", ".join(f"{LABEL[m]} {100 * v.mean():.1f} %" for m, v in changed.items())
+        lead = 100 * (changed["quantmla"].astype(float) - changed[best])
+        why += (
+            f"; documents whose outcome differs from BF16's: {shares} (QuantMLA − {LABEL[best]} "
+            f"{lead.mean():+.1f} ± {lead.std(ddof=1) / math.sqrt(lead.size):.1f} paired)"
+        )
     return Verdict(value, False, why)
 
 
-def _changed(a: FewShot, b: FewShot) -> float | None:
-    """% of the documents both cells scored whose score differs (a cache that keeps BF16's
+def _changed(a: FewShot, b: FewShot | None) -> np.ndarray | None:
+    """Per document both cells scored, 1 where the scores differ (a cache that keeps BF16's
     behaviour changes few; the average can stay put while many change both ways)."""
     if b is None or a.docs is None or b.docs is None:
         return None
-    pairs = [(x, y) for xs, ys in zip(a.docs, b.docs) if len(xs) == len(ys) for x, y in zip(xs, ys)]
-    return 100 * sum(x != y for x, y in pairs) / len(pairs) if pairs else None
+    if any(len(x) != len(y) for x, y in zip(a.docs, b.docs)):
+        return None
+    return np.concatenate([np.asarray(x) != np.asarray(y) for x, y in zip(a.docs, b.docs)])
 
 
 def _resolution(records: list[dict], se: float, bf16: FewShot | None) -> str:

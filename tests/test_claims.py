@@ -289,6 +289,9 @@ def test_an_unseparated_margin_says_how_many_documents_each_cache_changes():
     verdict = smol_column(claims_rows(records), "In accuracy, C2R4")[1]
     shares = {m: 100 * (docs["c2r4", m] != bf16).mean() for m in ("quantmla", "quarot", "rtn")}
     assert shares == {"quantmla": 2.0, "quarot": 5.0, "rtn": 20.0}
+    lead = 100 * ((docs["c2r4", "quantmla"] != bf16) * 1.0 - (docs["c2r4", "quarot"] != bf16))
+    se = lead.std(ddof=1) / np.sqrt(lead.size)  # float64 reference: one difference per document
     assert "not separated" in verdict and verdict.endswith(
-        "; documents whose outcome differs from BF16's: QuantMLA 2.0 %, QuaRot† 5.0 %, RTN 20.0 %"
+        "; documents whose outcome differs from BF16's: QuantMLA 2.0 %, QuaRot† 5.0 %, RTN 20.0 % "
+        f"(QuantMLA − QuaRot† {lead.mean():+.1f} ± {se:.1f} paired)"
     )
