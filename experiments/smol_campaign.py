@@ -108,7 +108,7 @@ JOBS = (
     # (the artifacts load; a rerun recomputes every cell again) and says whether lm-eval's scores
     # reproduce (git diff of the records)
     Job("few-shot per-document scores", "the C2R4 cells again with each document's score: the "
-        "accuracy claims compared paired", "~20 min a cell",
+        "accuracy claims compared paired", "26 min a cell",
         (*FEWSHOT, "precision=bf16,c2r4", "method=rtn,quantmla,quarot,smoothquant", "force=true")),
     Job("FP8 formats with QuantMLA", "the engines' FP8 caches (vLLM fp8, fp8_ds_mla) with "
         "QuantMLA's transforms, beside job 21's 4-bit ones", "~1 h fit a format (as job 15)",
