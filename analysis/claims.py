@@ -87,14 +87,20 @@ def _of(records: list[dict], experiment: str, model: str) -> list[dict]:
     ]
 
 
-def _ppl(records: list[dict], precision: str, method: str | None = None) -> float | None:
-    """WikiText-2 perplexity of one Table 1 cell (BF16: any method's record)."""
+def _cell(records: list[dict], precision: str, method: str | None, keys) -> dict | None:
+    """The metrics of one cell's first record that has every key (BF16: any method's record)."""
     for r in records:
-        c = r["config"]
+        c, m = r["config"], r["metrics"]
         same = method is None or c["method"]["name"] == method
-        if c["precision"]["name"] == precision and same and "ppl/wikitext2" in r["metrics"]:
-            return r["metrics"]["ppl/wikitext2"]
+        if c["precision"]["name"] == precision and same and all(k in m for k in keys):
+            return m
     return None
+
+
+def _ppl(records: list[dict], precision: str, method: str | None = None) -> float | None:
+    """WikiText-2 perplexity of one Table 1 cell."""
+    m = _cell(records, precision, method, ("ppl/wikitext2",))
+    return None if m is None else m["ppl/wikitext2"]
 
 
 def _missing(experiment: str, overrides: str = "", cells: dict | None = None) -> Verdict:
@@ -121,15 +127,13 @@ class FewShot(NamedTuple):
 
 
 def _fewshot(records: list[dict], precision: str, method: str | None = None) -> FewShot | None:
-    for r in records:
-        c, m = r["config"], r["metrics"]
-        same = method is None or c["method"]["name"] == method
-        if c["precision"]["name"] == precision and same and all(f"acc/{t}" in m for t in FEWSHOT):
-            se = math.sqrt(sum(m[f"acc_stderr/{t}"] ** 2 for t in FEWSHOT)) / len(FEWSHOT)
-            docs = [m.get(f"docs/{t}") for t in FEWSHOT]
-            avg = sum(m[f"acc/{t}"] for t in FEWSHOT) / len(FEWSHOT)
-            return FewShot(avg, se, None if None in docs else docs)
-    return None
+    m = _cell(records, precision, method, [f"acc/{t}" for t in FEWSHOT])
+    if m is None:
+        return None
+    se = math.sqrt(sum(m[f"acc_stderr/{t}"] ** 2 for t in FEWSHOT)) / len(FEWSHOT)
+    docs = [m.get(f"docs/{t}") for t in FEWSHOT]
+    avg = sum(m[f"acc/{t}"] for t in FEWSHOT) / len(FEWSHOT)
+    return FewShot(avg, se, None if None in docs else docs)
 
 
 def _points(a: FewShot, b: FewShot) -> tuple[float, float, str]:
@@ -138,9 +142,15 @@ def _points(a: FewShot, b: FewShot) -> tuple[float, float, str]:
     (an upper bound, as both score the same documents)."""
     if a.docs is None or b.docs is None or any(len(x) != len(y) for x, y in zip(a.docs, b.docs)):
         return a.avg - b.avg, math.hypot(a.se, b.se), ""
-    task_diffs = [100 * (np.asarray(x) - np.asarray(y)) for x, y in zip(a.docs, b.docs)]
-    var = sum(d.var(ddof=1) / len(d) for d in task_diffs) / len(FEWSHOT) ** 2
-    return sum(d.mean() for d in task_diffs) / len(FEWSHOT), math.sqrt(var), " paired"
+    return (*_paired(a.docs, b.docs), " paired")
+
+
+def _paired(a: list, b: list) -> tuple[float, float]:
+    """The mean over groups (tasks, lengths) of a − b's per-item mean, in points, and its standard
+    error from the per-item differences (groups independent)."""
+    diffs = [100 * (np.asarray(x) - np.asarray(y)) for x, y in zip(a, b)]
+    var = sum(d.var(ddof=1) / d.size if d.size > 1 else 0.0 for d in diffs)
+    return float(np.mean([d.mean() for d in diffs])), math.sqrt(var) / len(diffs)
 
 
 def _apart(d: float, se: float) -> float:
@@ -315,20 +325,6 @@ def rope_more_sensitive(records, experiment) -> Verdict:
     return Verdict(value, ok, "" if ok else "the content path is the more sensitive")
 
 
-def _ruler(records: list[dict], precision: str, method: str | None = None) -> dict | None:
-    """The metrics of one RULER cell with every S-NIAH task's average (BF16: any method's)."""
-    for r in records:
-        c, m = r["config"], r["metrics"]
-        same = method is None or c["method"]["name"] == method
-        if (
-            c["precision"]["name"] == precision
-            and same
-            and all(f"ruler/{t}/avg" in m for t in RULER)
-        ):
-            return m
-    return None
-
-
 def _ruler_gap(bf16: dict, ours: dict, task: str) -> tuple[float, float, str]:
     """BF16 − ours on one task's average over its lengths, in points, and its standard error:
     paired over the samples both scored where both keep them (docs/ruler/...), else two
@@ -337,9 +333,7 @@ def _ruler_gap(bf16: dict, ours: dict, task: str) -> tuple[float, float, str]:
     lengths = [k[len(prefix) :] for k in bf16 if k.startswith(prefix) and k != prefix + "avg"]
     docs = [(bf16.get(f"docs/{prefix}{n}"), ours.get(f"docs/{prefix}{n}")) for n in lengths]
     if all(b and o and len(b) == len(o) for b, o in docs):
-        diffs = [100 * (np.asarray(b) - np.asarray(o)) for b, o in docs]
-        var = sum(d.var(ddof=1) / len(d) if len(d) > 1 else 0.0 for d in diffs)
-        return float(np.mean([d.mean() for d in diffs])), math.sqrt(var) / len(diffs), " paired"
+        return (*_paired(*zip(*docs)), " paired")
     n = bf16["ruler/samples_per_length"]
     var = sum(p * (100 - p) + q * (100 - q) for p, q in
               ((bf16[prefix + k], ours[prefix + k]) for k in lengths)) / n  # fmt: skip
@@ -351,7 +345,8 @@ def _niah(task: str) -> str:
 
 
 def ruler_c4r4(records, experiment) -> Verdict:
-    bf16, ours = _ruler(records, "bf16"), _ruler(records, "c4r4", "quantmla")
+    keys = [f"ruler/{t}/avg" for t in RULER]
+    bf16, ours = _cell(records, "bf16", None, keys), _cell(records, "c4r4", "quantmla", keys)
     if bf16 is None or ours is None:
         return _missing(experiment, cells={("bf16", "rtn"): bf16, ("c4r4", "quantmla"): ours})
     scores = [" / ".join(f"{m[f'ruler/{t}/avg']:.1f}" for t in RULER) for m in (ours, bf16)]
