@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from torch import nn
 
@@ -28,6 +29,7 @@ class Prepared:
     metrics: dict = field(default_factory=dict)  # method/* and equivalence/* for the record
     method_result: object = None  # the fused MethodResult (None for RTN)
     weights: str | None = None  # fingerprint of the local checkpoint's weights (None: a hub id)
+    record_path: Path | None = None  # the job's record: its progress is kept beside it
 
     @contextmanager
     def unquantized(self):
@@ -53,8 +55,9 @@ def prepare(job) -> Prepared:
     """The model of a resolved job (`quantmla.job.Job`), ready for its evaluator; only the published
     config for analytic evaluators."""
     if not job.evaluator.needs_model:
-        return Prepared(job.model_config, job.policy, job.paths)
+        return Prepared(job.model_config, job.policy, job.paths, record_path=job.record_path)
     prepared = load(job)
+    prepared.record_path = job.record_path
     if prepared.policy.mixed:  # one format per layer, chosen before any method calibrates at it
         allocate(job, prepared)
     return finish(job, prepared)

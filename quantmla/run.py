@@ -3,7 +3,8 @@
 Validates the whole config first (nothing loads for a bad one, and the results folder must be
 writable), skips the job if its record already exists (unless force=true), prepares the model
 (`quantmla.prepare`), runs the registered evaluator of `eval.kind`, prints a table and writes
-`results/<experiment>/<config-hash>/result.json`.
+`results/<experiment>/<config-hash>/result.json`. A job stopped mid-way resumes from the progress
+it saved beside that record (lm-eval's answered requests), removed once the record is written.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def run(cfg) -> dict | None:
 
     from quantmla.paths import repo_root
     from quantmla.prepare import prepare
-    from quantmla.tracking.store import ATTACHED, LM_EVAL_RESULTS, make_record
+    from quantmla.tracking.store import ATTACHED, LM_EVAL_RESULTS, clear_progress, make_record
     from quantmla.tracking.wandb_mirror import mirror
 
     if cfg.threads:
@@ -74,6 +75,7 @@ def run(cfg) -> dict | None:
     )
     print(job.evaluator.format_table(record))
     save_record(job.record_path, record)
+    clear_progress(job.record_path)
     _running["written"] += 1
     mirror(record, cfg.logger, sweep=current_sweep(), lm_eval_results=attached.get(LM_EVAL_RESULTS))
     print(f"[quantmla] wrote {job.record_path} ({record['wall_time_s']:.1f} s)")

@@ -216,6 +216,56 @@ def test_local_tasks_score_4_documents_on_the_tiny_model_and_reach_the_store(tmp
 
 
 @needs_tiny
+def test_lm_eval_job_stopped_mid_way_resumes_from_its_saved_answers(tmp_path, monkeypatch):
+    """Stopped after its 5th answer, the rerun scores only the requests not answered yet and
+    writes the record an uninterrupted run writes (prompt lengths included); the saved answers
+    go once the record exists."""
+    from lm_eval.api.model import CacheHook
+
+    from quantmla.run import run
+
+    overrides = [
+        f"paths.data_dir={DATA_DIR}",
+        "model=tiny_mla",
+        "eval=table1_suite",
+        "eval.tasks=[piqa,arc_easy]",
+        "eval.limit=4",
+        "logger=none",
+    ]
+    save, answered = CacheHook.add_partial, []
+
+    def add_partial(self, attr, request, result):  # lm-eval saves each answer here
+        save(self, attr, request, result)
+        answered.append(attr)
+        if len(answered) == stop_after:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(CacheHook, "add_partial", add_partial)
+    stop_after = None
+    whole = run(run_config(f"paths.results_dir={tmp_path / 'whole'}", *overrides))
+    n_requests, stop_after = len(answered), 5
+    answered.clear()
+    with pytest.raises(KeyboardInterrupt):
+        run(run_config(f"paths.results_dir={tmp_path / 'stopped'}", *overrides))
+    assert [p.name for p in (tmp_path / "stopped").rglob("progress-*")] == [
+        "progress-lm_eval_rank0.db"
+    ]
+    answered.clear()
+    stop_after = None
+    resumed = run(run_config(f"paths.results_dir={tmp_path / 'stopped'}", *overrides))
+    assert len(answered) == n_requests - 5
+    assert not list((tmp_path / "stopped").rglob("progress-*"))
+    measured = [
+        k
+        for k in whole["metrics"]
+        if k.split("/")[0] in ("acc", "docs", "n", "tokens_median", "beyond_protected")
+    ]
+    assert len(measured) > 8
+    for key in measured:
+        assert resumed["metrics"][key] == pytest.approx(whole["metrics"][key], abs=1e-9), key
+
+
+@needs_tiny
 def test_local_mmlu_subject_scores_4_documents_5_shot_on_the_tiny_model(manager):
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM

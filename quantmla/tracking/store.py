@@ -95,6 +95,22 @@ def record_path(results_dir: str | os.PathLike, experiment: str, config: dict[st
     return Path(results_dir) / experiment / config_hash(config) / "result.json"
 
 
+PROGRESS = (
+    "progress-"  # an unfinished job's saved work beside its record (lm-eval's answered requests)
+)
+
+
+def progress_path(record: Path, name: str) -> Path:
+    """Where an unfinished job keeps `name`'s progress, so a stopped job resumes: in the record's
+    folder (ignored by git), removed once the record is written (`clear_progress`)."""
+    return record.with_name(PROGRESS + name)
+
+
+def clear_progress(record: Path) -> None:
+    for path in record.parent.glob(PROGRESS + "*"):
+        path.unlink()
+
+
 def git_state(repo: str | os.PathLike | None = None) -> dict[str, Any]:
     def git(*args):
         return subprocess.run(

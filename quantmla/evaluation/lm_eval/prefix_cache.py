@@ -29,27 +29,9 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
 
 
 class PrefixCachedHFLM(HFLM):
-    """HFLM whose log-likelihood requests reuse the KV cache of their shared prefix; it also
-    keeps each request's input tokens per task (`request_tokens`: which prompts run past the
-    protected tokens, and so read the quantized cache)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.request_tokens: dict[str, list[int]] = {}
-        self._tasks: list[str] | None = None
-
-    def loglikelihood(self, requests, disable_tqdm: bool = False):
-        self._tasks = [r.task_name for r in requests]
-        try:
-            return super().loglikelihood(requests, disable_tqdm)
-        finally:
-            self._tasks = None
+    """HFLM whose log-likelihood requests reuse the KV cache of their shared prefix."""
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
-        if self._tasks is not None and len(self._tasks) == len(requests):
-            for task, (_, context, continuation) in zip(self._tasks, requests):
-                tokens = min(len(context) + len(continuation) - 1, self.max_length)
-                self.request_tokens.setdefault(task, []).append(tokens)
         if self.backend != "causal":
             return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
         fits = [len(r[1]) + len(r[2]) <= self.max_length + 1 for r in requests]

@@ -42,6 +42,24 @@ def wrap_model(cfg, prepared, max_length: int | None = None):
 ENGINES = ("hf", "vllm")
 
 
+def answered_requests(prepared) -> str | None:
+    """lm-eval's request cache for this job (`simple_evaluate(use_cache=...)`): each answer is saved
+    as it comes, so a job stopped mid-way resumes with the requests it had not answered; the file
+    lives beside the record until the record is written (`quantmla.tracking.store.progress_path`)."""
+    from quantmla.tracking.store import progress_path
+
+    if prepared.record_path is None:
+        return None
+    path = progress_path(prepared.record_path, "lm_eval")
+    saved = path.with_name(path.name + "_rank0.db")  # lm-eval's name for rank 0's cache
+    if saved.exists():
+        from sqlitedict import SqliteDict
+
+        with SqliteDict(str(saved), flag="r") as answers:
+            print(f"[quantmla] resuming: {len(answers)} lm-eval answers saved in {saved}")
+    return str(path)
+
+
 def run_on_vllm(cfg, prepared, specs, metadata, limit=None, max_length=None) -> dict:
     """The same `simple_evaluate` call through lm-eval's `vllm` model on the job's export."""
     import json
@@ -74,6 +92,7 @@ def run_on_vllm(cfg, prepared, specs, metadata, limit=None, max_length=None) -> 
             "apply_chat_template": ev.apply_chat_template,
             "confirm_run_unsafe_code": any(TASKS[t].code for t in ev.tasks if t in TASKS),
             "seed": cfg.seed,
+            "use_cache": answered_requests(prepared),
         }
         (folder / "request.json").write_text(json.dumps(request))
         command = [
@@ -114,13 +133,38 @@ def run_lm_eval(cfg, prepared, specs: list[str], metadata: dict, limit=None, max
         numpy_random_seed=cfg.seed,
         torch_random_seed=cfg.seed,
         fewshot_random_seed=1234,  # lm-eval's default: identical few-shot draws across methods
+        use_cache=answered_requests(prepared),
     )
-    if getattr(lm, "request_tokens", None):
-        results[REQUEST_TOKENS] = lm.request_tokens
+    results[REQUEST_TOKENS] = request_lengths(lm, results.get("samples") or {})
     return results
 
 
 REQUEST_TOKENS = "quantmla/request_tokens"  # per lm-eval task: each log-likelihood request's tokens
+
+
+def request_lengths(lm, samples: dict) -> dict[str, list[int]]:
+    """Each log-likelihood request's input tokens per task, encoded as HFLM encodes it and capped
+    at its window, from lm-eval's logged samples (the arguments of every request, answered now or
+    read back from the request cache)."""
+    lengths: dict[str, list[int]] = {}
+    for task, examples in samples.items():
+        for example in examples:
+            for args in example.get("arguments", ()):
+                if (
+                    example.get("filter", "none") != "none"
+                    or len(args) != 2
+                    or not isinstance(args[1], str)
+                ):
+                    continue  # generation (context, kwargs), rolling, or a later filter's copy
+                context, continuation = args
+                if context:
+                    context_enc, continuation_enc = lm._encode_pair(context, continuation)
+                    tokens = len(context_enc) + len(continuation_enc)
+                else:  # HFLM's empty context: the prefix token first unless the text starts with it
+                    encoded = lm.tok_encode(continuation, add_special_tokens=False)
+                    tokens = len(encoded) + (encoded[:1] != [lm.prefix_token_id])
+                lengths.setdefault(task, []).append(min(tokens - 1, lm.max_length))
+    return lengths
 
 
 def prompt_metrics(names: list[str], lengths: dict[str, list[int]], protected: int) -> dict:

@@ -6,8 +6,9 @@ results back).
 
 REQUEST holds the export, the cache (`precision`: bf16 for the BF16 mode, null for the export's
 format), the engine sizes, and `simple_evaluate`'s arguments (task specs, the task folder, the
-tasks' metadata, limit, generation and seeds). RESULTS keeps the parts of lm-eval's results the
-runner reads: `results`, `n-samples`, `group_subtasks`, and `samples` trimmed to per-document scores.
+tasks' metadata, limit, generation, seeds and the job's request cache, `use_cache`). RESULTS keeps
+the parts of lm-eval's results the runner reads: `results`, `n-samples`, `group_subtasks`, and
+`samples` trimmed to per-document scores.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from pathlib import Path
 
 from quantmla.evaluation.lm_eval.samples import trim
 from quantmla.serving.engine import alias_vllm_distribution, engine_args
+
+RESUME_CHUNK = 16  # requests per vLLM call (each call's answers saved): RULER on CPU, ~8 minutes
 
 
 def run(request: dict) -> dict:
@@ -36,6 +39,8 @@ def run(request: dict) -> dict:
     engine = request["engine"]
     args = engine_args(request["model"], **engine)
     model_args = {"pretrained": args.pop("model"), **args}
+    if request.get("use_cache"):  # answers saved a chunk at a time: a stopped job resumes
+        model_args["batch_size"] = RESUME_CHUNK
     results = simple_evaluate(
         model="vllm",
         model_args=model_args,
@@ -53,6 +58,7 @@ def run(request: dict) -> dict:
         numpy_random_seed=request["seed"],
         torch_random_seed=request["seed"],
         fewshot_random_seed=1234,
+        use_cache=request.get("use_cache"),
     )
     kept = {k: results.get(k, {}) for k in ("results", "n-samples", "group_subtasks")}
     return kept | {"samples": trim(results.get("samples") or {})}
