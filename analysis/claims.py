@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from analysis import probes, sensitivity, throughput
+from analysis.common import changed_documents
 
 # each testbed's model and the experiments its claims read (a shared one is filtered by model)
 TESTBEDS = {
@@ -244,13 +245,7 @@ def c2r4_margin_points(records, experiment) -> Verdict:
 
 
 def _changed(a: FewShot, b: FewShot | None) -> np.ndarray | None:
-    """Per document both cells scored, 1 where the scores differ (a cache that keeps BF16's
-    behaviour changes few; the average can stay put while many change both ways)."""
-    if b is None or a.docs is None or b.docs is None:
-        return None
-    if any(len(x) != len(y) for x, y in zip(a.docs, b.docs)):
-        return None
-    return np.concatenate([np.asarray(x) != np.asarray(y) for x, y in zip(a.docs, b.docs)])
+    return None if b is None else changed_documents(a.docs, b.docs)
 
 
 def _resolution(records: list[dict], se: float, bf16: FewShot | None) -> str:

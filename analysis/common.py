@@ -64,6 +64,19 @@ def cell(record: dict) -> str:
     return f"{c['eval']['datasets'][0]}/seed{c['seed']}"
 
 
+def changed_documents(a: list | None, b: list | None):
+    """Per document both cells scored (one list of scores per task, in the same order), True where
+    the scores differ — a cache that keeps BF16's behaviour changes few documents, while the
+    average can stay put with many changed both ways; None unless both have every task's scores."""
+    import numpy as np
+
+    if a is None or b is None or any(x is None or y is None for x, y in zip(a, b)):
+        return None
+    if len(a) != len(b) or any(len(x) != len(y) for x, y in zip(a, b)):
+        return None
+    return np.concatenate([np.asarray(x) != np.asarray(y) for x, y in zip(a, b)])
+
+
 def pyplot():
     """matplotlib.pyplot on the Agg backend (no display needed)."""
     import matplotlib

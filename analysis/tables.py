@@ -24,7 +24,13 @@ from pathlib import Path
 import yaml
 
 from analysis import claims, costs, frontier, probes, sensitivity, testbed, throughput
-from analysis.common import add_wandb_arguments, default_results_dir, output_name, wandb_logger
+from analysis.common import (
+    add_wandb_arguments,
+    changed_documents,
+    default_results_dir,
+    output_name,
+    wandb_logger,
+)
 from quantmla.methods.registry import METHODS
 from quantmla.tracking.store import load_records
 
@@ -61,6 +67,7 @@ class Layout:
     also: tuple[str, ...] = ()  # other experiments whose records join this table's
     precisions: tuple[str, ...] | None = None  # rows of these precisions only (None: all)
     per_length: bool = False  # metrics keyed `<metric>@<model.eval_seqlen>`: one column per length
+    changed: tuple[str, ...] = ()  # tasks whose per-document scores are compared with BF16's
 
 
 def _task_columns(tasks, stderr: bool = False):
@@ -122,7 +129,9 @@ LAYOUTS = {
     ),
     "tiny_table1": Layout("tiny_table1", TINY, tuple(f"acc/{t}" for t in TINY_TASKS)),
     "tiny_table1_v2": Layout("tiny_table1_v2", TINY_V2),
-    "smol_table1": Layout("smol_table1", SMOL, tuple(f"acc/{t}" for t in SMOL_FEWSHOT)),
+    "smol_table1": Layout(
+        "smol_table1", SMOL, tuple(f"acc/{t}" for t in SMOL_FEWSHOT), changed=SMOL_FEWSHOT
+    ),
     # the C2R4 baselines with one path quantized (c2r16: content only, c16r4: RoPE only) beside
     # both (the Table 1 twin's C2R4 rows)
     "smol_path_split": Layout(
@@ -153,6 +162,18 @@ def _average(metrics: dict, names) -> float | None:
     return None if any(v is None for v in values) else sum(values) / len(values)
 
 
+CHANGED = "docs_changed"
+
+
+def _changed_share(metrics: dict, bf16: dict | None, layout: Layout) -> float | None:
+    """% of the `layout.changed` tasks' documents a quantized cell scores unlike the BF16 cell."""
+    if bf16 is None or metrics is bf16:
+        return None
+    docs = [[m.get(f"docs/{t}") for t in layout.changed] for m in (metrics, bf16)]
+    changed = changed_documents(*docs)
+    return None if changed is None else 100 * float(changed.mean())
+
+
 def build(records: list[dict], layout: Layout, paper: dict | None = None) -> list[list[str]]:
     """The table as rows of cell strings; bold marked with **…**. First row is the header."""
     cells = {}
@@ -170,6 +191,10 @@ def build(records: list[dict], layout: Layout, paper: dict | None = None) -> lis
         for metrics in cells.values():
             metrics["avg"] = _average(metrics, layout.average)
         columns.append(Column("avg", "Avg", "{:.2f}", True, "avg"))
+    if layout.changed:  # the paired view: how many documents the cache scores unlike BF16
+        for (model, _, _), metrics in cells.items():
+            metrics[CHANGED] = _changed_share(metrics, cells.get((model, "bf16", "rtn")), layout)
+        columns.append(Column(CHANGED, "docs ≠ BF16 %", "{:.1f}", False))
     paper_rows = (paper or {}).get(layout.paper_table or "", {})
     header = ["model", "precision", "method"] + [c.header for c in columns]
     rows = [header]

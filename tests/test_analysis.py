@@ -97,6 +97,31 @@ def test_full_set_table_keeps_each_length_in_its_own_columns():
     assert row[header.index("C4 ppl (4K)")] == "22.000"
 
 
+def test_smol_table1_counts_the_documents_each_cache_scores_unlike_bf16():
+    from analysis.tables import SMOL_FEWSHOT
+
+    bf16 = {t: [1, 0, 1, 1] for t in SMOL_FEWSHOT}
+    flips = {"rtn": 3, "quantmla": 1}  # documents changed over all tasks, each way
+    records = [record("smol_mla", "bf16", "rtn", **{f"docs/{t}": d for t, d in bf16.items()})]
+    for method, n in flips.items():
+        docs = {t: list(d) for t, d in bf16.items()}
+        for i in range(n):
+            t = SMOL_FEWSHOT[i]
+            docs[t][i] = 1 - docs[t][i]
+        records.append(
+            record("smol_mla", "c2r4", method, **{f"docs/{t}": d for t, d in docs.items()})
+        )
+    records.append(
+        record("smol_mla", "c2r4", "quarot", **{f"docs/{SMOL_FEWSHOT[0]}": [1, 1, 1, 1]})
+    )
+    header, *body = build(records, LAYOUTS["smol_table1"])
+    by = {(r[1], r[2]): r[header.index("docs ≠ BF16 %")] for r in body}
+    total = 4 * len(SMOL_FEWSHOT)
+    assert by[("C2R4", "RTN")] == f"{100 * 3 / total:.1f}"
+    assert by[("C2R4", "QuantMLA")] == f"**{100 * 1 / total:.1f}**"  # fewest changed: bold
+    assert by[("C2R4", "QuaRot†")] == "—" and by[("BF16", "—")] == "—"  # not every task; itself
+
+
 def test_fig4_and_fig5b_draw_from_records(tmp_path):
     from analysis.figures import fig4, fig5b
 
