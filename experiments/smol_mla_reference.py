@@ -80,11 +80,12 @@ def perplexity_metrics(
         nll = max(done.get(dataset, []), known.get(dataset, []), key=len)[: len(windows)]
         if nll:
             print(f"{dataset}: {len(nll)} of {len(windows)} windows measured already", flush=True)
-        for start in range(len(nll), len(windows), 8):
-            part = window_nll(model, windows[start : start + 8], 1, f"{dataset} {start}+")
-            nll += part.tolist()
-            done[dataset] = nll
+
+        def save(values, dataset=dataset):
+            done[dataset] = values
             write_atomic(progress, done)
+
+        nll = window_nll(model, windows, 1, dataset, nll, save).tolist()
         metrics[f"ppl/{dataset}"] = math.exp(sum(nll) / len(nll))
         metrics[f"windows/{dataset}"] = len(nll)
         metrics[f"nll_windows/{dataset}"] = nll

@@ -44,6 +44,39 @@ def test_default_run_writes_a_record_and_resumes(tmp_path, capsys):
 
 
 @needs_tiny
+def test_perplexity_job_stopped_mid_way_resumes_and_ends_as_an_uninterrupted_one(
+    tmp_path, monkeypatch, capsys
+):
+    """Stopped after 3 of its batches were saved, the rerun measures only the windows left (same
+    batches) and writes the uninterrupted run's per-window NLLs exactly; the progress goes with
+    the record."""
+    from quantmla.tracking.store import Progress
+
+    overrides = ["eval.max_windows=5", "eval.batch_size=2", "eval.datasets=[wikitext2,c4]"]
+    whole = run(run_config(*tiny_job(tmp_path / "whole", *overrides)))
+    keep, saves = Progress.save, []
+
+    def save(self, key, values):  # after each batch
+        keep(self, key, values)
+        saves.append(len(values))
+        if stop and len(saves) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Progress, "save", save)
+    stop, stopped = True, tmp_path / "stopped"
+    with pytest.raises(KeyboardInterrupt):
+        run(run_config(*tiny_job(stopped, *overrides)))
+    assert saves == [2, 4, 5]  # wikitext2's 5 windows in batches of 2 saved, then stopped
+    saves.clear()
+    stop = False
+    resumed = run(run_config(*tiny_job(stopped, *overrides)))
+    assert saves == [2, 4, 5] and "resuming" in capsys.readouterr().out  # c4 alone
+    assert not list(stopped.rglob("progress-*"))
+    for key in ("nll_windows/wikitext2", "nll_windows/c4", "ppl/wikitext2", "ppl/c4"):
+        assert resumed["metrics"][key] == whole["metrics"][key], key
+
+
+@needs_tiny
 def test_precision_without_preset_is_a_job(tmp_path):
     from quantmla.cli import route_precision
 

@@ -3,28 +3,37 @@ WikiText-2/C4 perplexity of the quantized cache, of the BF16 reference, and per-
 
 from __future__ import annotations
 
+import functools
 import math
 
 # torch is imported inside the functions: `check` runs during validation, before anything heavy
 
 
-def window_nll(model, windows, batch_size: int = 4, desc: str = "perplexity"):
-    """Mean next-token NLL of each window (float64, (N,)): a window of L tokens predicts its last L−1."""
+def window_nll(model, windows, batch_size: int = 4, desc: str = "perplexity", done=(), save=None):
+    """Mean next-token NLL of each window (float64, (N,)): a window of L tokens predicts its last L−1.
+    `done`: the first windows' NLLs measured before (a stopped job's progress, kept in whole
+    batches so the batches, and so the values, stay those of an uninterrupted run); `save(nll)`
+    is called with the NLLs so far after each batch."""
     import torch
     import torch.nn.functional as F
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
-    out = []
+    nll = [float(v) for v in done][: len(windows)]
+    if len(nll) < len(windows):
+        nll = nll[: len(nll) - len(nll) % batch_size]
     with torch.no_grad():
-        for batch in tqdm(windows.split(batch_size), desc=desc, leave=False):
+        left = windows[len(nll) :]
+        for batch in tqdm(left.split(batch_size) if len(left) else (), desc=desc, leave=False):
             batch = batch.to(device)
             logits = model(batch).logits[:, :-1]
-            nll = F.cross_entropy(
+            per_token = F.cross_entropy(
                 logits.transpose(1, 2).float(), batch[:, 1:], reduction="none"
             )  # (B, L−1)
-            out.append(nll.double().mean(dim=1).cpu())
-    return torch.cat(out)
+            nll += per_token.double().mean(dim=1).cpu().tolist()
+            if save is not None:
+                save(nll)
+    return torch.tensor(nll, dtype=torch.float64)
 
 
 def perplexity(model, windows, batch_size: int = 4, desc: str = "perplexity") -> float:
@@ -58,6 +67,7 @@ def evaluate(cfg, prepared) -> dict:
     """Perplexity per dataset (quantized, and BF16 when eval.compare_bf16) and per-layer NMSE."""
     from quantmla.data import load_text, perplexity_windows, tokenize
     from quantmla.models.capture import OutputNMSE
+    from quantmla.tracking.store import Progress
 
     data_dir = prepared.paths.data_dir
     model, ev = prepared.model, cfg.eval
@@ -72,9 +82,15 @@ def evaluate(cfg, prepared) -> dict:
     metrics: dict = {f"windows/{name}": int(w.shape[0]) for name, w in windows.items()}
     metrics.update({f"unigram_ppl/{name}": unigram_perplexity(w) for name, w in windows.items()})
 
+    progress = Progress(prepared.record_path, "perplexity.json")  # a stopped job resumes here
+
     def measure(prefix: str, label: str) -> None:
         for name, w in windows.items():
-            nll = window_nll(model, w, ev.batch_size, f"{label} {name}")
+            key, done = f"{prefix}{name}", progress.get(f"{prefix}{name}")
+            if done:
+                print(f"[quantmla] resuming {label} {name}: {len(done)} of {len(w)} windows saved")
+            save = functools.partial(progress.save, key)
+            nll = window_nll(model, w, ev.batch_size, f"{label} {name}", done, save)
             metrics[f"{prefix}ppl/{name}"] = math.exp(float(nll.mean()))
             metrics[f"{prefix}nll_windows/{name}"] = nll.tolist()  # paired spreads between records
 

@@ -111,6 +111,25 @@ def clear_progress(record: Path) -> None:
         path.unlink()
 
 
+class Progress:
+    """An unfinished job's measured values by key (JSON at `progress_path(record, name)`, rewritten
+    atomically at each `save`): what a rerun of the job need not measure again. Without a record
+    path nothing is kept."""
+
+    def __init__(self, record: Path | None, name: str):
+        self.path = None if record is None else progress_path(record, name)
+        found = self.path is not None and self.path.is_file()
+        self.values: dict[str, list] = json.loads(self.path.read_text()) if found else {}
+
+    def get(self, key: str) -> list:
+        return self.values.get(key, [])
+
+    def save(self, key: str, values: list) -> None:
+        self.values[key] = list(values)
+        if self.path is not None:
+            write_atomic(self.path, self.values)
+
+
 def git_state(repo: str | os.PathLike | None = None) -> dict[str, Any]:
     def git(*args):
         return subprocess.run(
