@@ -51,6 +51,15 @@ def _calibration(metrics: dict) -> str:
     )
 
 
+def _reused(record: dict) -> str:
+    """What the job's minutes leave out: work an earlier (stopped) run or job did for it."""
+    m = record["metrics"]
+    notes = ["resumed: the last run's minutes"] if any(k.startswith("resumed/") for k in m) else []
+    if m.get("allocation/errors_loaded_from"):
+        notes.append("the allocation's errors measured by an earlier job")
+    return "".join(f" ({note})" for note in notes)
+
+
 def _load(machine: dict) -> str:
     load, cpus = machine.get("load_15m"), machine.get("cpus")
     if load is None or cpus is None:
@@ -71,7 +80,7 @@ def cost_rows(records: list[dict], model: str = "smol_mla") -> list[list[str]]:
         c, machine = r["config"], r.get("machine", {})
         where = machine.get("gpu") or f"{machine.get('cpus')} CPU cores"
         rows.append([
-            r["experiment"], _name(c, "method"), _name(c, "precision"), _what(c),
+            r["experiment"], _name(c, "method"), _name(c, "precision"), _what(c) + _reused(r),
             f"{r['wall_time_s'] / 60:.1f}", _calibration(r["metrics"]), where, _load(machine),
         ])  # fmt: skip
     return rows

@@ -332,6 +332,7 @@ class Measured:
     errors: dict[str, np.ndarray]  # ERROR_KEYS -> (layers, candidates)
     d_c: int
     d_r: int
+    loaded_from: str | None = None  # the saved errors' file, when measured by an earlier job
 
 
 def measure_candidates(job, model, adapter, modules, tokenizer) -> Measured:
@@ -347,12 +348,63 @@ def measure_candidates(job, model, adapter, modules, tokenizer) -> Measured:
     results = candidate_results(job, model, adapter, modules, tokenizer, specs)
     ids = tokenize(load_text("wikitext2", "valid", job.paths.data_dir), tokenizer)
     windows = perplexity_windows(ids, cfg.model.eval_seqlen, p.allocation_windows)
+    saved = None
+    if all(r is None for r in results.values()):  # no transforms: the same for every such job
+        saved = SavedErrors(job, model, specs, windows)
+        errors = saved.load()
+        if errors is not None:
+            return Measured(candidates, results, windows, errors, d_c, d_r, saved.path.name)
     store = capture_inputs(model, modules, windows)
     ctx = CalibrationContext(
         model, adapter, modules, store, torch.arange(windows.shape[0]), torch.arange(0)
     )
     errors = format_errors(ctx, results, specs, job.policy.sink, job.policy.recent)
+    if saved is not None:
+        saved.save(errors)
     return Measured(candidates, results, windows, errors, d_c, d_r)
+
+
+class SavedErrors:
+    """The candidates' measured errors without transforms (RTN, or `allocation_method=rtn`: half
+    an hour on SmolLM2-MLA) kept as `<artifacts>/allocation/<metadata hash>.json`, so the jobs
+    that differ only in budget, joint check or the method fitted afterwards measure them once.
+    The metadata pins what they depend on: weights, model, candidate quantizers, protection, the
+    windows' token ids and the measuring code's version."""
+
+    VERSION = "1"  # bump when format_errors changes what it measures
+
+    def __init__(self, job, model, specs: dict, windows: torch.Tensor):
+        from quantmla.tracking.store import stable_hash
+
+        self.metadata = {
+            "model": job.cfg.model.path,
+            "model_config_hash": stable_hash(model.config.to_dict(), 16),
+            "weights": str(job.weights),
+            "candidates": [spec.key for spec in specs.values()],
+            "protection": [job.policy.sink, job.policy.recent],
+            "windows": hashlib.sha256(windows.cpu().numpy().tobytes()).hexdigest()[:16],
+            "version": self.VERSION,
+        }
+        name = f"{stable_hash(self.metadata, 16)}.json"
+        self.path = job.paths.artifacts_dir / "allocation" / name
+
+    def load(self) -> dict[str, np.ndarray] | None:
+        import json
+
+        if not self.path.is_file():
+            return None
+        saved = json.loads(self.path.read_text())
+        if saved.get("metadata") != self.metadata:
+            return None
+        print(f"[quantmla] mixed: the candidates' errors loaded from {self.path}")
+        return {key: np.asarray(saved["errors"][key]) for key in ERROR_KEYS}
+
+    def save(self, errors: dict[str, np.ndarray]) -> None:
+        from quantmla.tracking.store import write_atomic
+
+        payload = {"metadata": self.metadata, "errors": {k: v.tolist() for k, v in errors.items()}}
+        write_atomic(self.path, payload)
+        print(f"[quantmla] mixed: the candidates' errors saved to {self.path}")
 
 
 def layer_errors(job, measured: Measured, model, modules) -> tuple[np.ndarray, dict]:
@@ -423,6 +475,7 @@ def allocate_for_job(job, model, adapter, modules, tokenizer) -> tuple[Allocatio
         **choice,
         predicted_errors=errors.tolist(),
         nmse_windows=int(measured.windows.shape[0]),
+        **({"errors_loaded_from": measured.loaded_from} if measured.loaded_from else {}),
         **{key: value.tolist() for key, value in measured.errors.items()},
     )
     return allocation, report

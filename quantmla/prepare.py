@@ -26,7 +26,7 @@ class Prepared:
     tokenizer: object = None
     adapter: object = None
     modules: list[nn.Module] = field(default_factory=list)
-    metrics: dict = field(default_factory=dict)  # method/* and equivalence/* for the record
+    metrics: dict = field(default_factory=dict)  # method/*, equivalence/*, resumed/* for the record
     method_result: object = None  # the fused MethodResult (None for RTN)
     weights: str | None = None  # fingerprint of the local checkpoint's weights (None: a hub id)
     record_path: Path | None = None  # the job's record: its progress is kept beside it

@@ -68,7 +68,8 @@ def run(cfg) -> dict | None:
     torch.manual_seed(cfg.seed)
     started = time.time()
     prepared = prepare(job)
-    metrics = {**prepared.metrics, **job.evaluator.evaluate(job.cfg, prepared)}
+    evaluated = job.evaluator.evaluate(job.cfg, prepared)  # may add to prepared.metrics (resumed/*)
+    metrics = {**prepared.metrics, **evaluated}
     attached = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith(ATTACHED)]}
     record = make_record(
         job.config, metrics, cfg.experiment_name, time.time() - started, repo=repo_root()

@@ -60,3 +60,16 @@ def test_a_resumed_calibration_says_its_minutes_are_a_part():
     assert row[5] == "artifact loaded (0.1)"
     (_, row) = cost_rows([record("a", 12.0, report=fit, method="quantmla", method_s=700.0)])
     assert row[5].startswith("capture 1 / α 0 / fit 10")
+
+
+def test_a_resumed_job_or_reused_allocation_says_its_minutes_leave_work_out():
+    resumed, reused, plain = (record("a", 5.0) for _ in range(3))
+    resumed["metrics"]["resumed/windows/wikitext2"] = 4
+    reused["metrics"]["allocation/errors_loaded_from"] = "0123456789abcdef.json"
+    rows = {
+        id(r): row
+        for r, row in zip((resumed, reused, plain), cost_rows([resumed, reused, plain])[1:])
+    }
+    assert rows[id(resumed)][3].endswith("(resumed: the last run's minutes)")
+    assert rows[id(reused)][3].endswith("(the allocation's errors measured by an earlier job)")
+    assert rows[id(plain)][3] == "perplexity 8 × 2048 × 2 sets, NMSE 4"

@@ -253,7 +253,7 @@ def test_lm_eval_job_stopped_mid_way_resumes_from_its_saved_answers(tmp_path, mo
     answered.clear()
     stop_after = None
     resumed = run(run_config(f"paths.results_dir={tmp_path / 'stopped'}", *overrides))
-    assert len(answered) == n_requests - 5
+    assert len(answered) == n_requests - 5 and resumed["metrics"]["resumed/lm_eval_answers"] == 5
     assert not list((tmp_path / "stopped").rglob("progress-*"))
     measured = [
         k

@@ -140,6 +140,33 @@ def test_allocation_under_rtn_calibrates_the_method_once_at_the_allocation(
 
 
 @needs_tiny
+def test_errors_without_transforms_are_measured_once_for_every_budget(
+    sensitivity_store, tmp_path, monkeypatch
+):
+    from quantmla import mixed
+    from quantmla.job import resolve
+    from quantmla.prepare import prepare
+
+    calls, measure = [], mixed.format_errors
+    monkeypatch.setattr(mixed, "format_errors", lambda *a, **k: calls.append(1) or measure(*a, **k))
+
+    def allocation(*overrides):
+        job = resolve(run_config(*tiny_job(sensitivity_store, *MIXED, *overrides)))
+        return prepare(job).metrics
+
+    where = f"paths.artifacts_dir={tmp_path}"
+    first = allocation(where)
+    second = allocation(where, "precision.budget_bytes=104", "precision.joint_top=2")
+    assert len(calls) == 1 and "allocation/errors_loaded_from" not in first
+    [saved] = (tmp_path / "allocation").glob("*.json")
+    assert second["allocation/errors_loaded_from"] == saved.name
+    for key in mixed.ERROR_KEYS:
+        assert second[f"allocation/{key}"] == first[f"allocation/{key}"]
+    allocation(where, "precision.candidates=[c2r4,c3r4,c4r4]")  # other quantizers: measured
+    assert len(calls) == 2 and len(list((tmp_path / "allocation").glob("*.json"))) == 2
+
+
+@needs_tiny
 @pytest.mark.parametrize(
     ("overrides", "error", "named"),
     [

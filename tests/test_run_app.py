@@ -72,6 +72,7 @@ def test_perplexity_job_stopped_mid_way_resumes_and_ends_as_an_uninterrupted_one
     resumed = run(run_config(*tiny_job(stopped, *overrides)))
     assert saves == [2, 4, 5] and "resuming" in capsys.readouterr().out  # c4 alone
     assert not list(stopped.rglob("progress-*"))
+    assert resumed["metrics"]["resumed/windows/wikitext2"] == 5  # the costs table says so
     for key in ("nll_windows/wikitext2", "nll_windows/c4", "ppl/wikitext2", "ppl/c4"):
         assert resumed["metrics"][key] == whole["metrics"][key], key
 

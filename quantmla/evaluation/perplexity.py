@@ -89,6 +89,7 @@ def evaluate(cfg, prepared) -> dict:
             key, done = f"{prefix}{name}", progress.get(f"{prefix}{name}")
             if done:
                 print(f"[quantmla] resuming {label} {name}: {len(done)} of {len(w)} windows saved")
+                prepared.metrics[f"resumed/windows/{key}"] = len(done)
             save = functools.partial(progress.save, key)
             nll = window_nll(model, w, ev.batch_size, f"{label} {name}", done, save)
             metrics[f"{prefix}ppl/{name}"] = math.exp(float(nll.mean()))

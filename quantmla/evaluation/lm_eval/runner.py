@@ -56,7 +56,8 @@ def answered_requests(prepared) -> str | None:
         from sqlitedict import SqliteDict
 
         with SqliteDict(str(saved), flag="r") as answers:
-            print(f"[quantmla] resuming: {len(answers)} lm-eval answers saved in {saved}")
+            n = prepared.metrics["resumed/lm_eval_answers"] = len(answers)
+        print(f"[quantmla] resuming: {n} lm-eval answers saved in {saved}")
     return str(path)
 
 
