@@ -228,8 +228,8 @@ def test_lm_eval_job_stopped_mid_way_resumes_from_its_saved_answers(tmp_path, mo
         f"paths.data_dir={DATA_DIR}",
         "model=tiny_mla",
         "eval=table1_suite",
-        "eval.tasks=[piqa,arc_easy]",
-        "eval.limit=4",
+        "eval.tasks=[arc_easy]",
+        "eval.limit=3",
         "logger=none",
     ]
     save, answered = CacheHook.add_partial, []
@@ -260,7 +260,7 @@ def test_lm_eval_job_stopped_mid_way_resumes_from_its_saved_answers(tmp_path, mo
         for k in whole["metrics"]
         if k.split("/")[0] in ("acc", "docs", "n", "tokens_median", "beyond_protected")
     ]
-    assert len(measured) > 8
+    assert len(measured) == 6  # acc, the average, n, docs, tokens_median, beyond_protected
     for key in measured:
         assert resumed["metrics"][key] == pytest.approx(whole["metrics"][key], abs=1e-9), key
 
