@@ -365,8 +365,8 @@ def measure_candidates(job, model, adapter, modules, tokenizer) -> Measured:
 
 
 class SavedErrors:
-    """The candidates' measured errors without transforms (RTN, or `allocation_method=rtn`: half
-    an hour on SmolLM2-MLA) kept as `<artifacts>/allocation/<metadata hash>.json`, so the jobs
+    """The candidates' measured errors without transforms (RTN, or `allocation_method=rtn`: ~45
+    min on SmolLM2-MLA) kept as `<artifacts>/allocation/<metadata hash>.json`, so the jobs
     that differ only in budget, joint check or the method fitted afterwards measure them once.
     The metadata pins what they depend on: weights, model, candidate quantizers, protection, the
     windows' token ids and the measuring code's version."""

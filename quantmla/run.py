@@ -4,7 +4,7 @@ Validates the whole config first (nothing loads for a bad one, and the results f
 writable), skips the job if its record already exists (unless force=true), prepares the model
 (`quantmla.prepare`), runs the registered evaluator of `eval.kind`, prints a table and writes
 `results/<experiment>/<config-hash>/result.json`. A job stopped mid-way resumes from the progress
-it saved beside that record (lm-eval's answered requests), removed once the record is written.
+it saved beside that record (perplexity windows, lm-eval answers), removed once the record is written.
 """
 
 from __future__ import annotations
