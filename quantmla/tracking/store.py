@@ -125,9 +125,15 @@ class Progress:
         return self.values.get(key, [])
 
     def save(self, key: str, values: list) -> None:
+        """Keep `values`; a progress file that cannot be written stops the saving, not the job."""
         self.values[key] = list(values)
-        if self.path is not None:
+        if self.path is None:
+            return
+        try:
             write_atomic(self.path, self.values)
+        except OSError as err:
+            print(f"[quantmla] progress not saved ({self.path}: {err.strerror or err}): no resume")
+            self.path = None
 
 
 def git_state(repo: str | os.PathLike | None = None) -> dict[str, Any]:
