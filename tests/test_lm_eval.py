@@ -172,9 +172,11 @@ def test_every_suite_task_names_an_upstream_task(manager):
 
 @needs_tiny
 def test_local_tasks_score_4_documents_on_the_tiny_model_and_reach_the_store(tmp_path, monkeypatch):
-    """A job killed inside lm-eval leaves no record; the rerun computes it: every local task but
-    MMLU (next test; all 57 subjects: -m slow) scored on 4 documents, metrics in the record."""
-    import lm_eval
+    """A job killed inside lm-eval (after its 5th answer) leaves no record; the rerun answers only
+    the requests not answered yet and writes it: every local task but MMLU (next test; all 57
+    subjects: -m slow) scored on 4 documents, metrics (prompt lengths of every request) in the
+    record, the saved answers gone."""
+    from lm_eval.api.model import CacheHook, hash_args
 
     from quantmla.run import run
     from quantmla.tracking.store import load_records
@@ -190,16 +192,26 @@ def test_local_tasks_score_4_documents_on_the_tiny_model_and_reach_the_store(tmp
         "logger=none",
     ]
 
-    def killed(*args, **kwargs):
-        raise KeyboardInterrupt
+    save, answered = CacheHook.add_partial, [[], []]  # each run's answered requests
 
-    with monkeypatch.context() as m:
-        m.setattr(lm_eval, "simple_evaluate", killed)
-        with pytest.raises(KeyboardInterrupt):
-            run(run_config(*overrides))
+    def add_partial(self, attr, request, result):  # lm-eval saves each answer here
+        save(self, attr, request, result)
+        answered[-1].append(hash_args(attr, request))
+        if answered[0] is answered[-1] and len(answered[0]) == 5:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(CacheHook, "add_partial", add_partial)
+    answered.pop()
+    with pytest.raises(KeyboardInterrupt):
+        run(run_config(*overrides))
     assert not list(tmp_path.rglob("result.json"))
+    assert [p.name for p in tmp_path.rglob("progress-*")] == ["progress-lm_eval_rank0.db"]
+    answered.append([])
     record = run(run_config(*overrides))
     m = record["metrics"]
+    assert m["resumed/lm_eval_answers"] == 5 and not set(answered[0]) & set(answered[1])
+    assert len(answered[1]) > 5 * len(record["config"]["eval"]["tasks"])
+    assert not list(tmp_path.rglob("progress-*"))
     for name in ("hellaswag", "piqa", "arc_easy", "arc_challenge", "winogrande", "gsm8k"):
         assert m[f"n/{name}"] == 4
         assert 0 <= m[f"acc/{name}"] <= 100
@@ -213,56 +225,6 @@ def test_local_tasks_score_4_documents_on_the_tiny_model_and_reach_the_store(tmp
         assert m[f"tokens_median/{name}"] > 1 and 0 <= m[f"beyond_protected/{name}"] <= 100
     assert "tokens_median/gsm8k" not in m  # generated: no log-likelihood requests
     assert [r["metrics"]["acc/avg"] for r in load_records(tmp_path)] == [m["acc/avg"]]
-
-
-@needs_tiny
-def test_lm_eval_job_stopped_mid_way_resumes_from_its_saved_answers(tmp_path, monkeypatch):
-    """Stopped after its 5th answer, the rerun scores only the requests not answered yet and
-    writes the record an uninterrupted run writes (prompt lengths included); the saved answers
-    go once the record exists."""
-    from lm_eval.api.model import CacheHook
-
-    from quantmla.run import run
-
-    overrides = [
-        f"paths.data_dir={DATA_DIR}",
-        "model=tiny_mla",
-        "eval=table1_suite",
-        "eval.tasks=[arc_easy]",
-        "eval.limit=3",
-        "logger=none",
-    ]
-    save, answered = CacheHook.add_partial, []
-
-    def add_partial(self, attr, request, result):  # lm-eval saves each answer here
-        save(self, attr, request, result)
-        answered.append(attr)
-        if len(answered) == stop_after:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(CacheHook, "add_partial", add_partial)
-    stop_after = None
-    whole = run(run_config(f"paths.results_dir={tmp_path / 'whole'}", *overrides))
-    n_requests, stop_after = len(answered), 5
-    answered.clear()
-    with pytest.raises(KeyboardInterrupt):
-        run(run_config(f"paths.results_dir={tmp_path / 'stopped'}", *overrides))
-    assert [p.name for p in (tmp_path / "stopped").rglob("progress-*")] == [
-        "progress-lm_eval_rank0.db"
-    ]
-    answered.clear()
-    stop_after = None
-    resumed = run(run_config(f"paths.results_dir={tmp_path / 'stopped'}", *overrides))
-    assert len(answered) == n_requests - 5 and resumed["metrics"]["resumed/lm_eval_answers"] == 5
-    assert not list((tmp_path / "stopped").rglob("progress-*"))
-    measured = [
-        k
-        for k in whole["metrics"]
-        if k.split("/")[0] in ("acc", "docs", "n", "tokens_median", "beyond_protected")
-    ]
-    assert len(measured) == 6  # acc, the average, n, docs, tokens_median, beyond_protected
-    for key in measured:
-        assert resumed["metrics"][key] == pytest.approx(whole["metrics"][key], abs=1e-9), key
 
 
 @needs_tiny
