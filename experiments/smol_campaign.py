@@ -39,7 +39,7 @@ JOBS = (
     # the linear predictor's allocation lost to uniform C2R4 (docs/frontier.md): the 16 best
     # allocations measured whole before one is taken
     Job("mixed RTN at 120 B, joint check", "the same budget with the whole-model check of 16",
-        "~75 min: 45 of it the candidates' errors, kept for jobs 16 and 17",
+        "~25 min: the check (the candidates' errors are job 2's, kept)",
         ("experiment=smol_frontier", "precision=mixed", "precision.budget_bytes=120",
          "precision.joint_top=16")),
     # the claims table's tiny-mla-v2 column (its records predate committed records): cheap
@@ -71,11 +71,11 @@ JOBS = (
     Job("QuantMLA C4R4", "Table 1 twin's C4R4 QuantMLA row (C4R4 parity claim)", "57 min: 53 of it calibration",
         ("experiment=smol_table1", "precision=c4r4", "method=quantmla")),
     Job("mixed QuantMLA at 120 B", "the issue-#23 target: mixed vs uniform QuantMLA C2R4 at 120 B",
-        "~1.5 h: the check, one fit (as job 15); job 3's errors", ("experiment=smol_frontier", "method=quantmla", "precision=mixed",
+        "~1.5 h: the check, one fit (as job 15); job 2's errors", ("experiment=smol_frontier", "method=quantmla", "precision=mixed",
                        "precision.budget_bytes=120", "precision.allocation_method=rtn",
                        "precision.joint_top=16", "method.calibration.seqlen=512")),
     Job("mixed RTN at the peers' bytes", "mixed allocations at C3R4's, MXFP4's, C4R4's, NVFP4's and "
-        "the Lloyd-Max cache's bytes, each beside that format", "~25 min a budget (job 3's errors)",
+        "the Lloyd-Max cache's bytes, each beside that format", "~25 min a budget (job 2's errors)",
         ("experiment=smol_frontier", "precision=mixed", "precision.budget_bytes=152,170,184,208,258",
          "precision.joint_top=16")),
     Job("probes", "Tables 5 / 6, Fig. 7 on SmolLM2-MLA with γ transferred", "not measured",
