@@ -233,7 +233,7 @@ def c2r4_margin_points(records, experiment) -> Verdict:
     side = "ahead" if d >= 0 else "behind"
     why = f"{side} by {apart:.1f} standard errors: not separated" + _resolution(records, se, bf16)
     cells = {"quantmla": ours} | {m: base[m] for m in (best, "rtn")}
-    changed = {m: _changed(c, bf16) for m, c in cells.items()}
+    changed = {m: changed_documents(c.docs, bf16.docs) if bf16 else None for m, c in cells.items()}
     if all(v is not None for v in changed.values()):  # what the averages hide, paired
         shares = ", ".join(f"{LABEL[m]} {100 * v.mean():.1f} %" for m, v in changed.items())
         lead = 100 * (changed["quantmla"].astype(float) - changed[best])
@@ -242,10 +242,6 @@ def c2r4_margin_points(records, experiment) -> Verdict:
             f"{lead.mean():+.1f} ± {lead.std(ddof=1) / math.sqrt(lead.size):.1f} paired)"
         )
     return Verdict(value, False, why)
-
-
-def _changed(a: FewShot, b: FewShot | None) -> np.ndarray | None:
-    return None if b is None else changed_documents(a.docs, b.docs)
 
 
 def _resolution(records: list[dict], se: float, bf16: FewShot | None) -> str:

@@ -374,6 +374,7 @@ class SavedErrors:
     VERSION = "1"  # bump when format_errors changes what it measures
 
     def __init__(self, job, model, specs: dict, windows: torch.Tensor):
+        from quantmla.methods.prepare import tensor_sha
         from quantmla.tracking.store import stable_hash
 
         self.metadata = {
@@ -382,7 +383,7 @@ class SavedErrors:
             "weights": str(job.weights),
             "candidates": [spec.key for spec in specs.values()],
             "protection": [job.policy.sink, job.policy.recent],
-            "windows": hashlib.sha256(windows.cpu().numpy().tobytes()).hexdigest()[:16],
+            "windows": tensor_sha(windows),
             "version": self.VERSION,
         }
         name = f"{stable_hash(self.metadata, 16)}.json"

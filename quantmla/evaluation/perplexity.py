@@ -86,7 +86,8 @@ def evaluate(cfg, prepared) -> dict:
 
     def measure(prefix: str, label: str) -> None:
         for name, w in windows.items():
-            key, done = f"{prefix}{name}", progress.get(f"{prefix}{name}")
+            key = f"{prefix}{name}"
+            done = progress.get(key)
             if done:
                 print(f"[quantmla] resuming {label} {name}: {len(done)} of {len(w)} windows saved")
                 prepared.metrics[f"resumed/windows/{key}"] = len(done)

@@ -22,7 +22,8 @@ from quantmla.spec import QuantizerSpec
 from quantmla.tracking.store import stable_hash
 
 
-def _tensor_sha(t: torch.Tensor) -> str:
+def tensor_sha(t: torch.Tensor) -> str:
+    """16 hex digits of sha256 over the tensor's bytes: which token ids an artifact was made from."""
     return hashlib.sha256(t.cpu().numpy().tobytes()).hexdigest()[:16]
 
 
@@ -76,7 +77,7 @@ def prepare_method(
         return method.build(MethodJob(modules, specs, seed=cfg.seed))
     cal = cfg.method.calibration
     sequences, n_calibration = calibration_sequences(cfg, paths, tokenizer)
-    expected = artifact_metadata(cfg, model, specs, _tensor_sha(sequences), weights)
+    expected = artifact_metadata(cfg, model, specs, tensor_sha(sequences), weights)
     if cfg.method.artifact:  # given by the user: always loaded, never overwritten
         path = paths.resolve(cfg.method.artifact)
         if not path.is_file():
