@@ -60,6 +60,12 @@ def _reused(record: dict) -> str:
     return "".join(f" ({note})" for note in notes)
 
 
+def _cpu_minutes(record: dict) -> str:
+    """CPU time over all cores (records since 2026-12-04): pauses and sharing do not add to it."""
+    seconds = record.get("cpu_time_s")
+    return "not kept" if seconds is None else f"{seconds / 60:.1f}"
+
+
 def _load(machine: dict) -> str:
     load, cpus = machine.get("load_15m"), machine.get("cpus")
     if load is None or cpus is None:
@@ -70,7 +76,7 @@ def _load(machine: dict) -> str:
 def cost_rows(records: list[dict], model: str = "smol_mla") -> list[list[str]]:
     """One row per record of `model`, by experiment then minutes: what ran, on what, for how long."""
     header = [
-        "experiment", "method", "precision", "evaluation", "minutes",
+        "experiment", "method", "precision", "evaluation", "minutes", "CPU-minutes",
         "of it, method (min)", "machine", "load (15 min, at the end)",
     ]  # fmt: skip
     mine = [r for r in records if r["config"]["model"]["name"] == model and "wall_time_s" in r]
@@ -81,6 +87,7 @@ def cost_rows(records: list[dict], model: str = "smol_mla") -> list[list[str]]:
         where = machine.get("gpu") or f"{machine.get('cpus')} CPU cores"
         rows.append([
             r["experiment"], _name(c, "method"), _name(c, "precision"), _what(c) + _reused(r),
-            f"{r['wall_time_s'] / 60:.1f}", _calibration(r["metrics"]), where, _load(machine),
+            f"{r['wall_time_s'] / 60:.1f}", _cpu_minutes(r), _calibration(r["metrics"]), where,
+            _load(machine),
         ])  # fmt: skip
     return rows

@@ -60,19 +60,30 @@ def run(cfg) -> dict | None:
 
     from quantmla.paths import repo_root
     from quantmla.prepare import prepare
-    from quantmla.tracking.store import ATTACHED, LM_EVAL_RESULTS, clear_progress, make_record
+    from quantmla.tracking.store import (
+        ATTACHED,
+        LM_EVAL_RESULTS,
+        clear_progress,
+        cpu_seconds,
+        make_record,
+    )
     from quantmla.tracking.wandb_mirror import mirror
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    started = time.time()
+    started, cpu_started = time.time(), cpu_seconds()
     prepared = prepare(job)
     evaluated = job.evaluator.evaluate(job.cfg, prepared)  # may add to prepared.metrics (resumed/*)
     metrics = {**prepared.metrics, **evaluated}
     attached = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith(ATTACHED)]}
     record = make_record(
-        job.config, metrics, cfg.experiment_name, time.time() - started, repo=repo_root()
+        job.config,
+        metrics,
+        cfg.experiment_name,
+        time.time() - started,
+        repo=repo_root(),
+        cpu_time_s=cpu_seconds() - cpu_started,
     )
     print(job.evaluator.format_table(record))
     save_record(job.record_path, record)

@@ -4,7 +4,14 @@ from analysis.costs import cost_rows
 
 
 def record(
-    experiment, minutes, load=None, report=None, method="rtn", model="smol_mla", method_s=None
+    experiment,
+    minutes,
+    load=None,
+    report=None,
+    method="rtn",
+    model="smol_mla",
+    method_s=None,
+    cpu_minutes=None,
 ):
     machine = {"cpus": 2, "gpu": None, **({"load_15m": load} if load is not None else {})}
     metrics = {"method/report": report} if report else {}
@@ -13,6 +20,7 @@ def record(
     return {
         "experiment": experiment,
         "wall_time_s": 60 * minutes,
+        **({} if cpu_minutes is None else {"cpu_time_s": 60 * cpu_minutes}),
         "machine": machine,
         "metrics": metrics,
         "config": {
@@ -33,17 +41,18 @@ def test_cost_rows_say_minutes_split_and_sharing():
     fit = {"seconds_capture": 240, "seconds_alpha_search": 480, "seconds_fit": 3600,
            "seconds_selection": 600, "resumed_at_step": 0}  # fmt: skip
     rows = cost_rows([
-        record("b", 10.0, load=4.2),
+        record("b", 10.0, load=4.2, cpu_minutes=9.0),
         record("b", 7.5, load=2.1),
         record("a", 80.0, report=fit, method="quantmla"),
         record("a", 5.0, model="tiny_mla_v2"),  # another testbed's: left out
     ])  # fmt: skip
     assert [r[0] for r in rows[1:]] == ["a", "b", "b"]  # by experiment, then minutes
     quantmla, alone, shared = rows[1:]
-    assert quantmla[4] == "80.0" and quantmla[5] == "capture 4 / α 8 / fit 60 (selection 10)"
-    assert quantmla[7] == "not kept"
-    assert alone[3] == "perplexity 8 × 2048 × 2 sets, NMSE 4" and alone[7] == "2.1"
-    assert shared[4] == "10.0" and shared[7] == "4.2 (shared)"
+    assert quantmla[4] == "80.0" and quantmla[6] == "capture 4 / α 8 / fit 60 (selection 10)"
+    assert quantmla[5] == quantmla[8] == "not kept"
+    assert alone[3] == "perplexity 8 × 2048 × 2 sets, NMSE 4" and alone[8] == "2.1"
+    # sharing the cores: 10 wall minutes, 9 CPU-minutes over both (alone ~2 per minute)
+    assert shared[4] == "10.0" and shared[5] == "9.0" and shared[8] == "4.2 (shared)"
 
 
 def test_a_resumed_calibration_says_its_minutes_are_a_part():
@@ -54,12 +63,12 @@ def test_a_resumed_calibration_says_its_minutes_are_a_part():
         "resumed_at_step": 200,
     }
     (_, row) = cost_rows([record("a", 12.0, report=fit, method="quantmla")])
-    assert row[5].endswith("resumed at step 200")
+    assert row[6].endswith("resumed at step 200")
     # a job that loaded the artifact carries its report, but spent none of that time
     (_, row) = cost_rows([record("a", 12.0, report=fit, method="quantmla", method_s=3.0)])
-    assert row[5] == "artifact loaded (0.1)"
+    assert row[6] == "artifact loaded (0.1)"
     (_, row) = cost_rows([record("a", 12.0, report=fit, method="quantmla", method_s=700.0)])
-    assert row[5].startswith("capture 1 / α 0 / fit 10")
+    assert row[6].startswith("capture 1 / α 0 / fit 10")
 
 
 def test_a_resumed_job_or_reused_allocation_says_its_minutes_leave_work_out():

@@ -30,6 +30,8 @@ def test_default_run_writes_a_record_and_resumes(tmp_path, capsys):
     stored = json.loads(path.read_text())
     assert stored == json.loads(json.dumps(record, default=str))
     assert {"config", "metrics", "git_sha", "versions", "created"} <= stored.keys()
+    # the job's own CPU time, not the process's since it started: at most every core's wall time
+    assert 0 < stored["cpu_time_s"] <= stored["wall_time_s"] * stored["machine"]["cpus"] + 0.5
     metrics = stored["metrics"]
     assert (
         metrics["ppl/wikitext2"] >= metrics["bf16/ppl/wikitext2"] * 0.999

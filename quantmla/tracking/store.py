@@ -194,12 +194,20 @@ def write_atomic(path: Path, payload: dict[str, Any]) -> None:
         raise
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and its reaped children (user + system). Unlike wall time, a job
+    paused or sharing the cores does not add to it: what a job costs the machine."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def make_record(
     config: dict[str, Any],
     metrics: dict[str, Any],
     experiment: str,
     wall_time_s: float,
     repo: str | os.PathLike | None = None,
+    cpu_time_s: float | None = None,
 ) -> dict[str, Any]:
     return {
         "experiment": experiment,
@@ -210,6 +218,7 @@ def make_record(
         "versions": versions(),
         "machine": machine(),
         "wall_time_s": wall_time_s,
+        **({} if cpu_time_s is None else {"cpu_time_s": cpu_time_s}),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
