@@ -380,16 +380,21 @@ def permutation_gain(records, experiment) -> Verdict:
     gain = entry["median"].get("permutation")
     if gain is None:
         return _missing(experiment)
-    if gain > 1:
-        return Verdict(f"median {gain:.2f}x", True)
-    a = probes.allocation(records).get(model)
-    why = "" if a is None else (
-        f": G = T(A + O) predicts an even spread of the content error at 1/(A_C + O_C) = "
-        f"{np.median(a[:, 2]):.2f}x its gain (A_C median {np.median(a[:, 0]):.3f}, O_C "
-        f"{np.median(a[:, 1]):+.3f}; measured isotropic {np.median(a[:, 3]):.2f}x): the paper's "
+    value = f"median {gain:.2f}x; {entry['at_layer']['permutation']:.2f}x at layer {entry['layer']}"
+    a = probes.allocation(records)[model]
+    a_c, o_c = np.median(a[:, 0]), np.median(a[:, 1])
+    allocation = (
+        f"A_C median {a_c:.3f}, O_C {o_c:+.3f}; measured isotropic {np.median(a[:, 3]):.2f}x"
+    )
+    if gain > 1:  # the mechanism: the QDQ content error on less sensitive coordinates than average
+        return Verdict(
+            value, True, f"G = T(A + O): 1/(A_C + O_C) = {np.median(a[:, 2]):.2f}x ({allocation})"
+        )
+    return Verdict(value, False, (
+        f"permutation does not raise the gain: G = T(A + O) predicts an even spread of the content "
+        f"error at 1/(A_C + O_C) = {np.median(a[:, 2]):.2f}x its gain ({allocation}): the paper's "
         "rise needs A_C + O_C well below 1"
-    )  # fmt: skip
-    return Verdict(f"median {gain:.2f}x", False, "permutation does not raise the gain" + why)
+    ))  # fmt: skip
 
 
 CLAIMS = (

@@ -321,7 +321,7 @@ def fig7(records: list[dict], out: Path, stem: str) -> list:
     b.axhline(1.0, color="gray", ls="--", lw=0.8)
     b.set_yscale("log")
     b.set_ylabel("content gain ratio G(e′)/G(e), equal energy")
-    b.tick_params(axis="x", labelsize=7)
+    b.tick_params(axis="x", labelsize=7, labelrotation=20)
     for model, e in inter.items():
         c.loglog(e["fd"], e["jvp"], "o", ms=3, label=f"{model} (ρ = {e['spearman']:.3f})")
     c.set_xlabel("finite-perturbation gain")

@@ -197,14 +197,16 @@ def probes_record(permutation: float, a_content: float, o_content: float) -> dic
     }  # fmt: skip
 
 
-def test_a_permutation_that_does_not_raise_the_gain_is_explained_by_a_c_plus_o_c():
+def test_a_permutation_gain_is_explained_by_a_c_plus_o_c_either_way():
     claim = "Whole-token permutation"
-    assert smol_column(claims_rows([probes_record(2.5, 0.3, 0.0)]), claim) == (
-        "median 2.50x",
-        "yes",
+    value, verdict = smol_column(claims_rows([probes_record(2.5, 0.3, 0.0)]), claim)
+    assert value == "median 2.50x; 2.50x at layer 1"  # no layer 20: the middle one
+    assert verdict == (
+        "yes: G = T(A + O): 1/(A_C + O_C) = 3.33x (A_C median 0.300, O_C +0.000; measured "
+        "isotropic 3.33x)"
     )
     value, verdict = smol_column(claims_rows([probes_record(0.9, 1.0, 1.0)]), claim)
-    assert value == "median 0.90x"
+    assert value == "median 0.90x; 0.90x at layer 1"
     assert verdict == (
         "**no**: permutation does not raise the gain: G = T(A + O) predicts an even spread of the "
         "content error at 1/(A_C + O_C) = 0.50x its gain (A_C median 1.000, O_C +1.000; measured "
