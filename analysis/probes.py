@@ -240,6 +240,12 @@ def table6_rows(records: list[dict], paper: dict | None = None) -> list[list[str
                 cite(f"{e['spearman']:.3f} ({e['n_observations']} obs.)", "jvp_spearman"),
             ]
         )
+    for model in sorted(set(paper) - {row[0] for row in rows}):  # a twin: the paper's beside ours
+        stated = paper[model]
+        rows.append([f"{model} (paper)", "20" if "permutation_gain_layer20" in stated else "—"] + [
+            f"{stated[key]:.3f}×" if key in stated else "—"
+            for key in (None, "permutation_gain_layer20", None, None, "median_permutation_gain", None)
+        ] + [f"{stated['jvp_spearman']:.3f}" if "jvp_spearman" in stated else "—"])  # fmt: skip
     return rows
 
 

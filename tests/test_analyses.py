@@ -281,3 +281,17 @@ def test_allocation_table_predicts_the_isotropic_ratio_from_a_and_o():
     header, row = probe_tables.allocation_rows(records)
     assert header[0] == "model" and row[0] == "m" and row[-1] == "8"
     assert row[3] == row[4] and row[5] == "1.000"
+
+
+def test_a_table6_twin_shows_the_papers_interventions_beside_its_own():
+    records = _probe_records("m", 0.3, 0)
+    for r in records:
+        m = r["metrics"]
+        for kind in ("signs", "permutation", "isotropic"):
+            m[f"probes/ratio_{kind}"] = [[1.5, 2.5]] * 4
+        m["probes/observations"] = [[[0, 0, 1.0, 1.0], [0, 1, 2.0, 2.0]]] * 4
+    paper = {"v2": {"permutation_gain_layer20": 5.918, "jvp_spearman": 0.986}, "glm": {}}
+    header, ours, glm, v2 = probe_tables.table6_rows(records, paper)
+    assert ours[0] == "m" and ours[3] == "2.000×" and ours[6] == "2.000×"  # its middle layer, 2
+    assert v2 == ["v2 (paper)", "20", "—", "5.918×", "—", "—", "—", "—", "0.986"]
+    assert glm[0] == "glm (paper)" and set(glm[1:]) == {"—"}
