@@ -292,6 +292,49 @@ def allocation_rows(records: list[dict]) -> list[list[str]]:
     return rows
 
 
+def layer_rows(records: list[dict]) -> list[list[str]]:
+    """Per model and layer (means over cells; the interventions' medians over cells and draws): the
+    path ratios of Table 5's predictor, the content error's allocation and the gains it predicts,
+    then each model's medians over every layer and cell and, over layers, how the permutation's
+    gain ranks with 1 / (A_C + O_C)."""
+    rows = [[
+        "model", "layer", "G_P/G_C", "T_P/T_C", "A_P/A_C", "A_C", "O_C", "1/(A_C+O_C)",
+        "isotropic", "permutation", "Spearman over layers (permutation vs 1/(A_C+O_C))",
+    ]]  # fmt: skip
+    by_model: dict[str, dict[int, dict[str, list]]] = {}
+    for r in _records(records):
+        m = r["metrics"]
+        layers = by_model.setdefault(r["config"]["model"]["name"], {})
+        for i, layer in enumerate(m["probes/layers"]):
+            found = layers.setdefault(layer, {})
+            for name, value in (
+                ("g", m["probes/G_rope"][i] / m["probes/G_content"][i]),
+                ("t", m["probes/T_rope"][i] / m["probes/T_content"][i]),
+                ("a", m["probes/A_rope"][i] / m["probes/A_content"][i]),
+                ("a_c", m["probes/A_content"][i]),
+                ("o_c", m["probes/O_content"][i]),
+                ("inv", 1 / (m["probes/A_content"][i] + m["probes/O_content"][i])),
+            ):
+                found.setdefault(name, []).append(value)
+            for kind in ("isotropic", "permutation"):
+                found.setdefault(kind, []).extend(m[f"probes/ratio_{kind}"][i])
+
+    def line(model, layer, v, mean, rho=""):
+        return [model, layer, *(f"{mean(v[k]):.2f}" for k in ("g", "t", "a", "a_c")),
+                f"{mean(v['o_c']):+.2f}", *(f"{f(v[k]):.2f}×" for k, f in
+                (("inv", mean), ("isotropic", np.median), ("permutation", np.median))), rho]  # fmt: skip
+
+    for model, layers in by_model.items():
+        rows += [line(model, str(layer), v, np.mean) for layer, v in sorted(layers.items())]
+        pooled = {k: sum((v[k] for v in layers.values()), []) for k in next(iter(layers.values()))}
+        rho = spearman(
+            [np.median(v["permutation"]) for v in layers.values()],
+            [np.mean(v["inv"]) for v in layers.values()],
+        )
+        rows.append(line(model, "median", pooled, np.median, f"{rho:.2f}"))
+    return rows
+
+
 def fig7(records: list[dict], out: Path, stem: str) -> list:
     """(a) predicted vs observed log(G_P/G_C), fit and evaluation points; (b) intervention gain
     ratios; (c) JVP vs finite-perturbation gains."""

@@ -286,6 +286,7 @@ def study_tables(paper: dict) -> dict:
             "table5_probes",
         ),
         "allocation": (probes.allocation_rows, "table5_probes"),
+        "probe_layers": (probes.layer_rows, "table5_probes"),
         "frontier": (frontier.frontier_rows, "frontier"),
         "frontier_pairs": (frontier.comparison_rows, "frontier"),
         "smol_testbed": (testbed.testbed_rows, "smol_testbed"),
@@ -301,7 +302,7 @@ def study_tables(paper: dict) -> dict:
 
 
 STUDY_TABLES = (
-    "table4", "table5", "table6", "allocation", "frontier", "frontier_pairs", "fig5c_sweep",
+    "table4", "table5", "table6", "allocation", "probe_layers", "frontier", "frontier_pairs", "fig5c_sweep",
     "smol_testbed", "smol_outliers", "smol_rtn_cost", "claims", "smol_costs",
 )  # fmt: skip
 

@@ -295,3 +295,26 @@ def test_a_table6_twin_shows_the_papers_interventions_beside_its_own():
     assert ours[0] == "m" and ours[3] == "2.000×" and ours[6] == "2.000×"  # its middle layer, 2
     assert v2 == ["v2 (paper)", "20", "—", "5.918×", "—", "—", "—", "—", "0.986"]
     assert glm[0] == "glm (paper)" and set(glm[1:]) == {"—"}
+
+
+def test_the_per_layer_table_averages_cells_and_ranks_the_permutation_with_the_allocation():
+    """Two cells of four layers: each layer's ratios are the cells' means, its gains the medians
+    of every draw; the permutation's gain set to 1/(A_C + O_C) ranks with it exactly."""
+    records = _probe_records("m", 0.3, 0)
+    for r in records:
+        m = r["metrics"]
+        m["probes/O_content"] = [0.0, 0.1, 0.2, 0.3]
+        inverse = [1 / (a + o) for a, o in zip(m["probes/A_content"], m["probes/O_content"])]
+        m["probes/ratio_isotropic"] = [[x, x] for x in inverse]
+        m["probes/ratio_permutation"] = [[2 * x, 2 * x] for x in inverse]
+    header, *layers, median = probe_tables.layer_rows(records)
+    assert [row[1] for row in layers] == ["0", "1", "2", "3"] and median[1] == "median"
+    a, b = (r["metrics"] for r in records)
+    t_ratio = np.mean([m["probes/T_rope"][2] / m["probes/T_content"][2] for m in (a, b)])
+    assert layers[2][3] == f"{t_ratio:.2f}" and layers[2][6] == "+0.20"
+    g_ratio = np.mean([m["probes/G_rope"][2] / m["probes/G_content"][2] for m in (a, b)])
+    assert layers[2][2] == f"{g_ratio:.2f}"
+    # the isotropic gain's median is a median of draws, not of the cells' means
+    draws = [m["probes/ratio_isotropic"][1][0] for m in (a, b)]
+    assert layers[1][8] == f"{np.median(draws):.2f}×"
+    assert median[-1] == "1.00" and all(row[-1] == "" for row in layers)
