@@ -9,6 +9,8 @@ Costs are measured on 2 CPU cores alone (`python -m analysis.tables smol_costs` 
     python -m experiments.smol_campaign --list      # the jobs, what each gives and costs
     python -m experiments.smol_campaign --from 5    # from job 5 on
     python -m experiments.smol_campaign --only 3    # job 3 alone
+    python -m experiments.smol_campaign --only 7,8,22 --commit   # these, in this order, each job's
+                                                    # records committed as it ends (a machine that may stop)
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import argparse
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import NamedTuple
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class Job(NamedTuple):
@@ -118,18 +123,43 @@ JOBS = (
 )  # fmt: skip
 
 
+def commit_results(repo: Path, message: str) -> bool:
+    """Commit what changed under `results/` (records, progress, artifacts) and nothing else, so a
+    campaign on a machine that may stop keeps each finished job. Returns whether it committed."""
+    if not (repo / "results").is_dir():
+        return False
+    subprocess.run(["git", "add", "-A", "--", "results/"], cwd=repo, check=True)
+    staged = subprocess.run(["git", "diff", "--cached", "--quiet", "--", "results/"], cwd=repo)
+    if staged.returncode == 0:
+        return False
+    subprocess.run(["git", "commit", "-q", "-m", message, "--", "results/"], cwd=repo, check=True)
+    return True
+
+
+def job_numbers(text: str) -> list[int]:
+    try:
+        return [int(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: job numbers, e.g. 3 or 7,8,22") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--list", action="store_true", help="print the jobs and stop")
     parser.add_argument("--from", dest="start", type=int, default=1, help="first job (1-based)")
-    parser.add_argument("--only", type=int, default=None, help="this job alone (1-based)")
+    parser.add_argument(
+        "--only", type=job_numbers, default=None, help="these jobs alone, in this order (7,8,22)"
+    )
+    parser.add_argument(
+        "--commit", action="store_true", help="git-commit the results store after each job"
+    )
     args = parser.parse_args(argv)
-    for field, value in (("--from", args.start), ("--only", args.only)):
-        if value is not None and not 1 <= value <= len(JOBS):
+    for value, field in ((args.start, "--from"), *((n, "--only") for n in args.only or ())):
+        if not 1 <= value <= len(JOBS):
             parser.error(f"{field} {value}: a job number from 1 to {len(JOBS)}")
-    chosen = [args.only] if args.only else list(range(args.start, len(JOBS) + 1))
+    chosen = args.only or list(range(args.start, len(JOBS) + 1))
     if args.list:
         for i, job in enumerate(JOBS, 1):
             print(f"{i:2d}. {job.name} ({job.cost}): {job.gives}")
@@ -145,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         done = subprocess.run([sys.executable, "-m", "quantmla.run", *job.overrides])
         if done.returncode:
             failed.append(f"{i}. {job.name} (exit {done.returncode})")
+        if args.commit and commit_results(REPO, f"Campaign job {i}, {job.name}: records"):
+            print(f"[campaign] job {i}'s results committed", flush=True)
     if failed:
         print("[campaign] failed: " + "; ".join(failed), file=sys.stderr)
     return 1 if failed else 0

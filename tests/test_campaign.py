@@ -1,9 +1,11 @@
 """experiments/smol_campaign.py: every job names configs that exist and compose (each sweep's first
 value), so a campaign stopped at any job runs on from there."""
 
+import subprocess
+
 import pytest
 
-from experiments.smol_campaign import JOBS, main
+from experiments.smol_campaign import JOBS, commit_results, main
 from tests.conftest import REPO, run_config
 
 
@@ -31,3 +33,34 @@ def test_job_numbers_out_of_range_are_refused(capsys):
     with pytest.raises(SystemExit):
         main(["--only", str(len(JOBS) + 1)])
     assert f"a job number from 1 to {len(JOBS)}" in capsys.readouterr().err
+
+
+def test_job_lists_are_refused_by_the_number_out_of_range(capsys):
+    with pytest.raises(SystemExit):
+        main(["--only", f"2,{len(JOBS) + 1}", "--list"])
+    assert f"--only {len(JOBS) + 1}: a job number" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--only", "2,x"])
+    assert "job numbers, e.g. 3 or 7,8,22" in capsys.readouterr().err
+
+
+def test_commit_results_commits_the_results_store_and_nothing_else(tmp_path):
+    def git(*args):
+        return subprocess.run(
+            ["git", *args], cwd=tmp_path, check=True, capture_output=True, text=True
+        ).stdout
+
+    git("init", "-q")
+    git("config", "user.email", "t@t"), git("config", "user.name", "t")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", "code.py"), git("commit", "-q", "-m", "start")
+    assert not commit_results(tmp_path, "nothing")  # no results: no commit
+    (tmp_path / "results" / "e" / "h").mkdir(parents=True)
+    (tmp_path / "results" / "e" / "h" / "result.json").write_text("{}")
+    (tmp_path / "code.py").write_text("x = 2\n")
+    git("add", "code.py")  # staged work in progress stays out of the campaign's commit
+    assert commit_results(tmp_path, "job 1: records")
+    assert git("show", "--name-only", "--format=%s", "HEAD").split() == [
+        "job", "1:", "records", "results/e/h/result.json",
+    ]  # fmt: skip
+    assert git("diff", "--cached", "--name-only").split() == ["code.py"]
