@@ -382,17 +382,15 @@ def permutation_gain(records, experiment) -> Verdict:
         return _missing(experiment)
     value = f"median {gain:.2f}x; {entry['at_layer']['permutation']:.2f}x at layer {entry['layer']}"
     a = probes.allocation(records)[model]
-    a_c, o_c = np.median(a[:, 0]), np.median(a[:, 1])
-    allocation = (
-        f"A_C median {a_c:.3f}, O_C {o_c:+.3f}; measured isotropic {np.median(a[:, 3]):.2f}x"
-    )
+    a_c, o_c, predicted, measured = np.median(a, axis=0)
+    allocation = f"A_C median {a_c:.3f}, O_C {o_c:+.3f}; measured isotropic {measured:.2f}x"
     if gain > 1:  # the mechanism: the QDQ content error on less sensitive coordinates than average
         return Verdict(
-            value, True, f"G = T(A + O): 1/(A_C + O_C) = {np.median(a[:, 2]):.2f}x ({allocation})"
+            value, True, f"G = T(A + O): 1/(A_C + O_C) = {predicted:.2f}x ({allocation})"
         )
     return Verdict(value, False, (
         f"permutation does not raise the gain: G = T(A + O) predicts an even spread of the content "
-        f"error at 1/(A_C + O_C) = {np.median(a[:, 2]):.2f}x its gain ({allocation}): the paper's "
+        f"error at 1/(A_C + O_C) = {predicted:.2f}x its gain ({allocation}): the paper's "
         "rise needs A_C + O_C well below 1"
     ))  # fmt: skip
 
