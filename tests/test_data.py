@@ -96,3 +96,36 @@ def test_unigram_perplexity_is_the_exponentiated_entropy_of_the_targets():
     entropy = -(1 / 3) * math.log(1 / 3) - (2 / 3) * math.log(2 / 3)
     assert unigram_perplexity(windows) == pytest.approx(math.exp(entropy), rel=1e-12)
     assert unigram_perplexity(torch.tensor([[0, 5, 5, 5]])) == pytest.approx(1.0)
+
+
+class _FixedLogits(torch.nn.Module):
+    """A 'model' whose logits are a fixed function of the token ids (float32, large vocabulary)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.table = torch.nn.Parameter(
+            torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(1)) * 4
+        )
+
+    def forward(self, ids):
+        return type("Out", (), {"logits": self.table[ids]})()
+
+
+def test_window_nll_matches_float64_and_resumes_in_whole_batches():
+    from quantmla.evaluation.perplexity import window_nll
+
+    vocab, model = 4096, _FixedLogits(4096)
+    windows = torch.randint(0, vocab, (5, 33), generator=torch.Generator().manual_seed(2))
+    logp = torch.log_softmax(model.table.double()[windows[:, :-1]], dim=-1)
+    expected = -logp.gather(-1, windows[:, 1:, None]).squeeze(-1).mean(dim=1)
+    nll = window_nll(model, windows, batch_size=2)
+    assert nll.dtype == torch.float64 and torch.allclose(nll, expected, rtol=0, atol=1e-6)
+    saved = []
+    # 3 windows done: only the whole batch (2) is kept; the rest is measured again
+    resumed = window_nll(
+        model, windows, batch_size=2, done=[9.0, 9.0, 9.0], save=lambda nll: saved.append(len(nll))
+    )
+    assert resumed[:2].tolist() == [9.0, 9.0] and torch.allclose(
+        resumed[2:], expected[2:], atol=1e-6
+    )
+    assert saved == [4, 5]
