@@ -49,6 +49,46 @@ def test_sdpa_with_narrower_values_equals_float64_softmax(masked):
     assert torch.allclose(got.double(), ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("form", ["expanded", "absorbed"])
+def test_implicit_causal_region_is_the_float64_masked_attention_with_its_gradients(form):
+    """`causal_regions` leaves its mask implicit (SDPA's causal kernel in the expanded form): the
+    output and the gradients reaching the latent and the RoPE key equal float64 attention under
+    the explicit causal mask, in both forms."""
+    from quantmla.attention import absorbed_attention, causal_regions, expanded_attention
+
+    gen = torch.Generator().manual_seed(3)
+    b, h, n, d_c, d_nope, d_r, d_v = 2, 3, 24, 16, 8, 4, 6
+    q_nope = torch.randn(b, h, n, d_nope, generator=gen)
+    q_rot = torch.randn(b, h, n, d_r, generator=gen)
+    w_kv_b = torch.randn(h * (d_nope + d_v), d_c, generator=gen) / d_c**0.5
+    c0, k0 = torch.randn(b, n, d_c, generator=gen), torch.randn(b, n, d_r, generator=gen)
+
+    def run(c, k_rot):
+        regions = causal_regions(c, k_rot)
+        if form == "expanded":
+            return expanded_attention(q_nope, q_rot, regions, w_kv_b, d_nope, 0.3)
+        w = w_kv_b.view(h, d_nope + d_v, d_c)
+        return absorbed_attention(q_nope, q_rot, regions, w[:, :d_nope], w[:, d_nope:], 0.3)
+
+    def reference(c, k_rot):
+        kv = (c @ w_kv_b.double().T).view(b, n, h, -1).transpose(1, 2)
+        k = torch.cat([kv[..., :d_nope], k_rot[:, None].expand(b, h, n, d_r)], dim=-1)
+        q = torch.cat([q_nope, q_rot], dim=-1).double()
+        scores = (q @ k.transpose(-1, -2)) * 0.3
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        return torch.softmax(scores.masked_fill(~causal, float("-inf")), -1) @ kv[..., d_nope:]
+
+    c, k_rot = c0.clone().requires_grad_(), k0.clone().requires_grad_()
+    out = run(c, k_rot)
+    out.pow(2).sum().backward()
+    c64, k64 = c0.double().requires_grad_(), k0.double().requires_grad_()
+    ref = reference(c64, k64)
+    ref.pow(2).sum().backward()
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+    assert torch.allclose(c.grad.double(), c64.grad, atol=1e-4)
+    assert torch.allclose(k_rot.grad.double(), k64.grad, atol=1e-4)
+
+
 def test_transformers_mla_through_padded_sdpa_keeps_its_logits():
     """A random DeepSeek-V2 (values 64 wide, keys 128) switched to the padded SDPA gives the logits
     of transformers' own SDPA, with and without a padding mask; other models are left as they are."""
