@@ -110,6 +110,20 @@ def test_an_lm_eval_run_holds_lm_evals_results_table_and_samples(wandb_dirs):
 
 
 @needs_tiny
+def test_a_ruler_run_logs_its_samples_though_each_scores_one_length(wandb_dirs):
+    """A RULER sample holds only its own length's metric: lm-eval's sample table (which reads
+    every configured metric from every sample) gets the metrics all samples share, and the job
+    that wrote its record does not fail at the mirror."""
+    from quantmla.run import run
+
+    overrides = ("eval=ruler", "eval.context_lengths=[512,1024]", "eval.limit=1")
+    record = run(job(wandb_dirs, "model=tiny_mla", *overrides, "eval.max_gen_toks=4"))
+    logged = only_run(wandb_dirs)
+    assert logged.summary["ruler/s_niah_1/512"] == record["metrics"]["ruler/s_niah_1/512"]
+    assert {"niah_single_1_eval_results", "niah_single_3_eval_results"} <= set(logged.tables())
+
+
+@needs_tiny
 def test_the_artifact_runs_hold_the_regenerated_table_the_figure_and_the_records(wandb_dirs):
     from quantmla.run import run
 
