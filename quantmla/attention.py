@@ -99,22 +99,20 @@ def sdpa(q, k, v, attn_mask=None, scale=None, is_causal=False):
 def expanded_attention(q_nope, q_rot, regions, w_kv_b, d_nope, scaling):
     """Expand every region's latent to per-head K/V, one SDPA over all regions with disjoint masks.
 
-    regions: list of (c (B,T,d_c), k_rot (B,T,d_r), allowed (B,1,n,T) bool, or `CAUSAL`).
+    regions: list of (c (B,T,d_c), k_rot (B,T,d_r), allowed (B,1,n,T) bool).
     Returns (B, H, n, d_v).
     """
     b, h, n, _ = q_nope.shape
     c = torch.cat([r[0] for r in regions], dim=1)
     k_rot = torch.cat([r[1] for r in regions], dim=1)
+    allowed = torch.cat([r[2] for r in regions], dim=-1)
+    allowed = allowed | ~allowed.any(
+        dim=-1, keepdim=True
+    )  # rows with no key (padding): finite, unused
     kv = F.linear(c, w_kv_b).view(b, c.shape[1], h, -1).transpose(1, 2)
     k_nope, v = kv.split([d_nope, kv.shape[-1] - d_nope], dim=-1)
     k = torch.cat([k_nope, k_rot[:, None].expand(b, h, -1, -1)], dim=-1)
     q = torch.cat([q_nope, q_rot], dim=-1)
-    if len(regions) == 1 and regions[0][2] is CAUSAL:
-        return sdpa(q, k, v, scale=scaling, is_causal=True)
-    allowed = torch.cat([region_mask(r[2], b, n, c.device) for r in regions], dim=-1)
-    allowed = allowed | ~allowed.any(
-        dim=-1, keepdim=True
-    )  # rows with no key (padding): finite, unused
     return sdpa(q, k, v, attn_mask=allowed, scale=scaling)
 
 
@@ -127,27 +125,16 @@ def absorbed_attention(q_nope, q_rot, regions, w_uk, w_uv, scaling):
         scores = torch.einsum("bhnc,btc->bhnt", q_abs, _acc(c)) + torch.einsum(
             "bhnr,btr->bhnt", _acc(q_rot), _acc(k_rot)
         )
-        allowed = region_mask(allowed, c.shape[0], q_nope.shape[2], c.device)
         parts.append(softmax_partial(scores * scaling, allowed, c[:, None]))
     latent = merge_partials(*parts)  # (B, H, n, d_c)
     return torch.einsum("bhnc,hvc->bhnv", latent, _acc(w_uv)).to(q_nope.dtype)
 
 
-CAUSAL = None  # a region's mask when it is the whole sequence's causal square (key j ≤ query i)
-
-
-def region_mask(allowed, b: int, n: int, device=None) -> torch.Tensor:
-    """A region's (B, 1, n, T) mask, `CAUSAL` made explicit (T = n)."""
-    if allowed is not CAUSAL:
-        return allowed
-    return torch.ones(n, n, dtype=torch.bool, device=device).tril()[None, None].expand(b, 1, n, n)
-
-
 def causal_regions(c: torch.Tensor, k_rot: torch.Tensor) -> list:
-    """One region over a whole sequence (no cache, no protection): calibration and analysis. Its
-    mask stays implicit (`CAUSAL`): the expanded form runs SDPA's causal kernel, whose backward is
-    ~1.6x faster on a CPU than with the same mask given (a calibration step is mostly SDPA)."""
-    return [(c, k_rot, CAUSAL)]
+    """One region over a whole sequence (no cache, no protection): calibration and analysis."""
+    n = c.shape[1]
+    allowed = torch.ones(n, n, dtype=torch.bool, device=c.device).tril()[None, None]
+    return [(c, k_rot, allowed.expand(c.shape[0], 1, n, n))]
 
 
 def attention_output(module, adapter, q_nope, q_rot, regions, form: str = "auto", geometry=None):

@@ -50,10 +50,9 @@ def test_sdpa_with_narrower_values_equals_float64_softmax(masked):
 
 
 @pytest.mark.parametrize("form", ["expanded", "absorbed"])
-def test_implicit_causal_region_is_the_float64_masked_attention_with_its_gradients(form):
-    """`causal_regions` leaves its mask implicit (SDPA's causal kernel in the expanded form): the
-    output and the gradients reaching the latent and the RoPE key equal float64 attention under
-    the explicit causal mask, in both forms."""
+def test_causal_region_is_the_float64_causal_attention_with_its_gradients(form):
+    """Calibration's whole-sequence region (`causal_regions`): the output and the gradients reaching
+    the latent and the RoPE key equal float64 attention under the causal mask, in both forms."""
     from quantmla.attention import absorbed_attention, causal_regions, expanded_attention
 
     gen = torch.Generator().manual_seed(3)
