@@ -28,8 +28,8 @@ def window_nll(model, windows, batch_size: int = 4, desc: str = "perplexity", do
             batch = batch.to(device)
             logits = model(batch).logits
             for row, ids in zip(logits, batch):  # one (L−1, V) row block at a time: contiguous
-                # rows keep log-softmax vectorized (20x faster than the class-axis-1 layout, and
-                # closer to the float64 value)
+                # rows keep log-softmax vectorized — 7-15x faster than the class-axis-1 layout
+                # and ~18x closer to float64 (a SmolLM2-MLA window: 8e-6 vs 1.4e-4 nats)
                 per_token = F.cross_entropy(row[:-1].float(), ids[1:], reduction="none")
                 nll.append(float(per_token.double().mean()))
             if save is not None:
