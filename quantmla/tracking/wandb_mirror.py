@@ -273,16 +273,16 @@ def log_lm_eval(results: dict) -> None:
     # our local-data tasks sit in one-task wrapper groups that lm-eval reports as tasks without
     # a config: their members carry the samples
     tasks = [t for t in logger.task_names if t in samples and t in logger.task_configs]
+    # lm-eval's sample table reads every metric of the task's config from every sample; a RULER
+    # sample scores only its own length, so its columns are the metrics all samples have
+    logger.task_configs = dict(logger.task_configs)
     for task in tasks:
-        # lm-eval's sample table reads every metric of the task's config from every sample; a
-        # RULER sample scores only its own length, so its columns are the metrics all samples have
-        config = dict(logger.task_configs[task])
+        config = logger.task_configs[task] = dict(logger.task_configs[task])
         config["metric_list"] = [
             m
             for m in config.get("metric_list") or []
             if all(m.get("metric") in x for x in samples[task])
         ]
-        logger.task_configs = {**logger.task_configs, task: config}
         logger.task_names = [task]
         try:
             logger.log_eval_samples({task: samples[task]})
