@@ -33,8 +33,11 @@ def _name(config: dict, group: str) -> str:
 
 def _calibration(metrics: dict) -> str:
     report = metrics.get("method/report") or {}
+    reused = sum(len(units) for units in (report.get("reused") or {}).values())
     if "seconds_fit" not in report:
         seconds = metrics.get("method/seconds") or 0.0
+        if reused:  # every unit fitted by earlier jobs: nothing fitted here
+            return f"{reused} units of earlier fits ({seconds / 60:.1f})"
         return f"{seconds / 60:.1f}" if seconds >= 6 else ""
     parts = [
         report.get(k, 0.0) / 60 for k in ("seconds_capture", "seconds_alpha_search", "seconds_fit")
@@ -48,6 +51,7 @@ def _calibration(metrics: dict) -> str:
     return (
         f"capture {parts[0]:.0f} / α {parts[1]:.0f} / fit {parts[2]:.0f} "
         f"(selection {report.get('seconds_selection', 0.0) / 60:.0f}){resumed}"
+        + (f", {reused} units of earlier fits" if reused else "")
     )
 
 

@@ -123,6 +123,11 @@ class CalibrationConfig:
     lr_rotation: float = opt(1e-3, "Adam learning rate of the Cayley parameters")
     lr_scale: float = opt(1e-2, "Adam learning rate of angles and log-scales")
     select_every: int = opt(25, "steps between held-out checkpoint selections")
+    reuse_units: bool = opt(
+        True,
+        "take each layer's content / RoPE transform an earlier artifact fitted at the same path "
+        "format and settings instead of fitting it again (the same bits: units are separable)",
+    )
     keep_teacher_outputs: bool = opt(
         True,
         "keep each sequence's teacher attention output after its first use (host memory: "

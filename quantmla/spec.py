@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from quantmla.errors import ConfigError
 
 UNQUANTIZED_BITS = 16  # a path at 16 bits is stored as BF16, not quantized
+PATHS = ("content", "rope")  # the cache's two paths: the latent c and the RoPE key k_R
 # the packed cache's op implementations: auto = Triton on CUDA, torch / C++ elsewhere
 KERNELS = ("auto", "torch", "triton")
 # Floating-point 8-bit formats a path may use instead of integer codes: (exponent, mantissa) bits.
@@ -164,6 +165,40 @@ class QuantizerSpec:
             f"{self.precision}-{scheme}-pertoken-g{self.group_size}-rne"
             f"-content_{_META_SHORT[self.content_meta_dtype]}-rope_{_META_SHORT[self.rope_meta_dtype]}"
         )
+
+    @classmethod
+    def from_key(cls, key: str) -> QuantizerSpec:
+        """The spec whose `key` this is (an artifact's quantizer field read back)."""
+        parts = key.split("-")
+        try:
+            precision, group = parts[0], int(parts[3].removeprefix("g"))
+            short = {v: k for k, v in _META_SHORT.items()}
+            content_meta = short[parts[5].removeprefix("content_")]
+            rope_meta = short[parts[6].removeprefix("rope_")]
+        except (IndexError, KeyError, ValueError):
+            raise ConfigError("quantizer", key, "a QuantizerSpec.key") from None
+        spec = cls.from_precision(
+            precision, group_size=group, content_meta_dtype=content_meta, rope_meta_dtype=rope_meta
+        )
+        if spec.key != key:
+            raise ConfigError("quantizer", key, "a QuantizerSpec.key")
+        return spec
+
+    def path_key(self, path: str) -> str | None:
+        """What fixes one path's codes ('content' or 'rope'; None where it is not quantized): its
+        format and bits, and for group formats the group size and metadata dtype."""
+        bits, fmt = (
+            (self.content_bits, self.content_format)
+            if path == "content"
+            else (self.rope_bits, self.rope_format)
+        )
+        if bits >= UNQUANTIZED_BITS:
+            return None
+        if fmt in ENGINE_FORMATS:
+            return f"{path}:{fmt}"
+        meta = self.content_meta_dtype if path == "content" else self.rope_meta_dtype
+        codes = fmt if fmt in FP8_FORMATS else f"int{bits}"
+        return f"{path}:{codes}-g{self.group_size}-{meta}"
 
     def check_dims(self, d_c: int, d_r: int) -> None:
         """The group size must divide every quantized path grouped by it; an engine format's own

@@ -39,6 +39,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def ctx():
+    """A 2-layer random MLA model's calibration context: 4 calibration + 2 held-out sequences."""
+    from transformers import AutoModelForCausalLM
+
+    from quantmla.calibration.context import CalibrationContext
+    from quantmla.models.adapters import get_adapter
+    from quantmla.models.capture import capture_inputs
+    from quantmla.models.tiny import tiny_mla_config
+
+    torch.manual_seed(0)
+    config = tiny_mla_config(
+        vocab_size=128, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=64
+    )
+    model = AutoModelForCausalLM.from_config(config).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    adapter = get_adapter(model.config)
+    modules = adapter.attention_modules(model)
+    sequences = torch.randint(0, 128, (6, 48), generator=torch.Generator().manual_seed(1))
+    store = capture_inputs(model, modules, sequences, batch_size=3)
+    return CalibrationContext(model, adapter, modules, store, torch.arange(4), torch.arange(4, 6))
+
+
 def compose_run(*overrides, hydra: bool = False):
     """The composed app config (as `python -m quantmla.run` builds it) for `overrides`."""
     from hydra import compose, initialize_config_dir

@@ -69,6 +69,16 @@ def test_a_resumed_calibration_says_its_minutes_are_a_part():
     assert row[6] == "artifact loaded (0.1)"
     (_, row) = cost_rows([record("a", 12.0, report=fit, method="quantmla", method_s=700.0)])
     assert row[6].startswith("capture 1 / α 0 / fit 10")
+    # units taken from earlier fits: all of them (nothing fitted), or a part
+    assembled = {
+        "reused": {"x.safetensors": ["0/content", "1/content"], "y.safetensors": ["0/rope"]}
+    }
+    (_, row) = cost_rows([record("a", 9.0, report=assembled, method="quantmla", method_s=1.2)])
+    assert row[6] == "3 units of earlier fits (0.0)"
+    (_, row) = cost_rows(
+        [record("a", 12.0, report={**fit, **assembled}, method="quantmla", method_s=700.0)]
+    )
+    assert row[6].endswith("resumed at step 200, 3 units of earlier fits")
 
 
 def test_a_resumed_job_or_reused_allocation_says_its_minutes_leave_work_out():

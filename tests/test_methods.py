@@ -7,7 +7,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from quantmla import patch_model, set_policy
-from quantmla.calibration.context import CalibrationContext
 from quantmla.calibration.module import QuantMLACalibration
 from quantmla.config import CalibrationConfig
 from quantmla.methods.base import (
@@ -26,29 +25,11 @@ from quantmla.methods.smoothquant import (
     scales_from_statistics,
 )
 from quantmla.models.adapters import get_adapter
-from quantmla.models.capture import capture_inputs
-from quantmla.models.tiny import tiny_mla_config
 from quantmla.simulator import layer_patch
 from quantmla.spec import QuantizerSpec
 from quantmla.transforms import ContentTransform, LayerTransforms, RopeTransform
 
 C4R4 = QuantizerSpec.from_precision("c4r4")
-
-
-@pytest.fixture(scope="module")
-def ctx():
-    torch.manual_seed(0)
-    config = tiny_mla_config(
-        vocab_size=128, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=64
-    )
-    model = AutoModelForCausalLM.from_config(config).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    adapter = get_adapter(model.config)
-    modules = adapter.attention_modules(model)
-    sequences = torch.randint(0, 128, (6, 48), generator=torch.Generator().manual_seed(1))
-    store = capture_inputs(model, modules, sequences, batch_size=3)
-    return CalibrationContext(model, adapter, modules, store, torch.arange(4), torch.arange(4, 6))
 
 
 def test_alpha_zero_is_the_identity(ctx):

@@ -26,7 +26,7 @@ from quantmla.calibration.context import CalibrationContext
 from quantmla.calibration.objectives import content_qdq, layer_output, positional_qk_loss
 from quantmla.config import CalibrationConfig
 from quantmla.metrics import nmse
-from quantmla.spec import QuantizerSpec, layer_spec
+from quantmla.spec import PATHS, QuantizerSpec, layer_spec
 from quantmla.transforms import ContentTransform, LayerTransforms, RopeTransform, cayley
 
 LOG_SCALE_CLIP = 2.0
@@ -74,17 +74,19 @@ class QuantMLACalibration(L.LightningModule):
         spec: QuantizerSpec | list[QuantizerSpec],  # one per layer: each trained at its own bits
         calibration: CalibrationConfig,
         init_report: dict | None = None,  # how `init` was found (saved with the fit's state)
+        fixed: dict | None = None,  # (layer, path) → `reuse.Unit`: taken as is, never computed
     ):
         super().__init__()
         self.ctx, self.spec, self.cal = ctx, spec, calibration
         self.init_report = init_report
+        self.fixed = fixed or {}
         self.layers = nn.ModuleList(
             LayerParameters(t, m.kv_lora_rank, m.qk_rope_head_dim)
             for t, m in zip(init, ctx.modules)
         )
         self.best = [
-            {"content": (float("inf"), None, -1), "rope": (float("inf"), None, -1)}
-            for _ in self.layers
+            {path: self._fixed_entry(layer, path) or (float("inf"), None, -1) for path in PATHS}
+            for layer in range(len(self.layers))
         ]
         self.history: list[dict] = []
         self.seconds_selection = 0.0  # of the fit's time, the held-out selections'
@@ -96,29 +98,46 @@ class QuantMLACalibration(L.LightningModule):
     def losses(
         self, layer: int, index: torch.Tensor, ste: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(content, RoPE) objectives of one layer on sequences `index`."""
-        proj, y = self.ctx.project(layer, index)
-        params = self.layers[layer]
-        rotation, scale = params.content()
-        module = self.ctx.modules[layer]
-        c_hat = content_qdq(
-            proj.c,
-            self.ctx.gamma(layer),
-            rotation.to(proj.c),
-            scale.to(proj.c),
-            layer_spec(self.spec, layer),
-            ste=ste,
+        """(content, RoPE) objectives of one layer on sequences `index`; a unit that is taken as
+        is or not quantized has none (0, nothing computed: its transform stays as it is)."""
+        fit_content, fit_rope = self.fitted(layer)
+        content = rope = torch.zeros((), device=self.ctx.device)
+        if not (fit_content or fit_rope):
+            return content, rope
+        proj, y = self.ctx.project(layer, index, teacher=fit_content)
+        params, spec = self.layers[layer], layer_spec(self.spec, layer)
+        if fit_content:
+            rotation, scale = params.content()
+            c_hat = content_qdq(
+                proj.c, self.ctx.gamma(layer), rotation.to(proj.c), scale.to(proj.c), spec, ste=ste
+            )
+            module = self.ctx.modules[layer]
+            content = nmse(layer_output(module, self.ctx.adapter, proj, c=c_hat), y)
+        if fit_rope:
+            transform, layout = params.rope(), self._layout(layer)
+            rope = positional_qk_loss(
+                proj.q_rot,
+                proj.k_rot,
+                transform.key_matrix(layout).to(proj.k_rot),
+                transform.query_matrix(layout).to(proj.k_rot),
+                spec,
+                ste=ste,
+            )
+        return content, rope
+
+    def fitted(self, layer: int) -> tuple[bool, bool]:
+        """Whether this fit computes the layer's (content, RoPE) unit: quantized and not fixed."""
+        spec = layer_spec(self.spec, layer)
+        return tuple(
+            spec.path_key(path) is not None and (layer, path) not in self.fixed for path in PATHS
         )
-        content = nmse(layer_output(module, self.ctx.adapter, proj, c=c_hat), y)
-        rope, layout = params.rope(), self._layout(layer)
-        return content, positional_qk_loss(
-            proj.q_rot,
-            proj.k_rot,
-            rope.key_matrix(layout).to(proj.k_rot),
-            rope.query_matrix(layout).to(proj.k_rot),
-            layer_spec(self.spec, layer),
-            ste=ste,
-        )
+
+    def _fixed_entry(self, layer: int, path: str):
+        """A fixed unit's selection entry: (its held-out value, its transforms, its step)."""
+        unit = self.fixed.get((layer, path))
+        if unit is None:
+            return None
+        return unit.heldout, LayerTransforms(**{path: unit.transform}), unit.step
 
     def training_step(self, index, _):
         total = 0.0
@@ -142,7 +161,9 @@ class QuantMLACalibration(L.LightningModule):
             for index in batches:
                 sums += torch.tensor([float(v) for v in self.losses(layer, index, ste=False)])
             means = sums / len(batches)
-            for path, value in zip(("content", "rope"), means.tolist()):
+            for path, value in zip(PATHS, means.tolist()):
+                if (layer, path) in self.fixed:
+                    continue
                 record[f"layer{layer}/{path}"] = value
                 if value < self.best[layer][path][0]:
                     self.best[layer][path] = (value, copy.deepcopy(params.transforms()), step)
@@ -167,8 +188,11 @@ class QuantMLACalibration(L.LightningModule):
             )
             return {"value": value, "step": step, "tensors": list(tensors)}
 
-        checkpoint["quantmla"] = {
-            "best": [{path: plain(b[path]) for path in b} for b in self.best],
+        checkpoint["quantmla"] = {  # fixed units come with the job again, not in the state
+            "best": [
+                {p: plain(b[p] if (i, p) not in self.fixed else (None, None, -1)) for p in b}
+                for i, b in enumerate(self.best)
+            ],
             "history": self.history,
             "init": self.init_report,  # a resumed fit need not search for its start again
         }
@@ -184,7 +208,10 @@ class QuantMLACalibration(L.LightningModule):
             return (entry["value"], transforms, entry["step"])
 
         state = checkpoint["quantmla"]
-        self.best = [{path: back(b[path]) for path in b} for b in state["best"]]
+        self.best = [
+            {p: self._fixed_entry(i, p) or back(b[p]) for p in b}
+            for i, b in enumerate(state["best"])
+        ]
         self.history = state["history"]
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:

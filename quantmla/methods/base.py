@@ -47,6 +47,8 @@ class MethodJob:
     seed: int = 0
     log_dir: Path | None = None  # per-layer calibration curves (CSV) go here
     resume_path: Path | None = None  # a calibrated method's state while it runs (it resumes there)
+    # (layer, path) → `reuse.Unit`: units an earlier artifact holds, taken as they are, not fitted
+    fixed: dict = field(default_factory=dict)
 
 
 @dataclass

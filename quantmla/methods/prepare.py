@@ -1,7 +1,8 @@
 """`prepare_method` returns a `MethodResult` (or None for RTN). For calibrated methods it hashes the
 calibration token ids, looks for a saved artifact with matching metadata (model, precision,
-quantizer, method, seed, calibration data, fit settings) and loads it; only when there is none
-does it capture the BF16 teacher and calibrate. `apply_method` fuses the result. Calibration always sees the
+quantizer, method, seed, calibration data, fit settings) and loads it; when there is none it takes
+every unit (a layer's content or RoPE transform) an earlier artifact fitted (`reuse`) and only for
+the others captures the BF16 teacher and calibrates. `apply_method` fuses the result. Calibration always sees the
 unquantized, unfused model.
 """
 
@@ -17,6 +18,7 @@ from quantmla.calibration.context import CalibrationContext
 from quantmla.data import calibration_split, load_text, tokenize
 from quantmla.methods.base import ArtifactMismatchError, MethodJob, load_artifact, save_artifact
 from quantmla.methods.registry import METHODS
+from quantmla.methods.reuse import assemble, needed_units, reuse_report, saved_units
 from quantmla.models.capture import capture_inputs
 from quantmla.spec import QuantizerSpec
 from quantmla.tracking.store import stable_hash
@@ -88,6 +90,16 @@ def prepare_method(
     if path.is_file():  # force=true recomputes the record, not a fit its metadata pins: delete it
         print(f"[quantmla] loading {method.name} artifact {path}")
         return load_artifact(path, expected)
+    units = saved_units(path.parent, expected, specs) if cal.reuse_units else {}
+    if units:
+        sources = ", ".join(f"{len(u)} from {f}" for f, u in reuse_report(units).items())
+        print(
+            f"[quantmla] {len(units)} of {len(needed_units(specs))} units fitted before: {sources}"
+        )
+    if units and units.keys() >= needed_units(specs).keys():  # nothing to fit (not saved again)
+        result = assemble(method.name, len(specs), units)
+        result.metadata = expected
+        return result
     started = time.time()
     store = capture_inputs(model, modules, sequences, cal.capture_batch_size, cal.store_dir)
     captured = time.time() - started
@@ -102,7 +114,7 @@ def prepare_method(
     )
     job = MethodJob(
         modules, specs, cal, ctx, cfg.seed, log_dir=path.parent / "logs" / path.stem,
-        resume_path=path.parent / "resume" / f"{path.stem}.ckpt",
+        resume_path=path.parent / "resume" / f"{path.stem}.ckpt", fixed=units,
     )  # fmt: skip
     result = method.build(job)
     if result.report is not None:  # where a calibration's time goes

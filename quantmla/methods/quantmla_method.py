@@ -17,6 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from quantmla.calibration.module import QuantMLACalibration
 from quantmla.methods.base import MethodJob, MethodResult
+from quantmla.methods.reuse import reuse_report
 from quantmla.methods.smoothquant import alpha_search
 from quantmla.transforms import LayerTransforms
 
@@ -70,14 +71,16 @@ def quantmla(job: MethodJob) -> MethodResult:
     saved = torch.load(resume, weights_only=True) if resume else None
     init_report = saved["quantmla"].get("init") if saved else None
     if init_report is None:
-        init, init_report = alpha_search(ctx, job.spec, cal.alphas, cal.batch_size)
+        init, init_report = alpha_search(
+            ctx, job.spec, cal.alphas, cal.batch_size, skip=job.fixed.keys()
+        )
     else:  # a resumed fit's parameters come from its state; the α search's outcome from its report
         init = [LayerTransforms() for _ in ctx.modules]
     searched = time.time()
     L.seed_everything(job.seed, verbose=False)
     for p in ctx.model.parameters():
         p.requires_grad_(False)
-    module = QuantMLACalibration(ctx, init, job.spec, cal, init_report=init_report)
+    module = QuantMLACalibration(ctx, init, job.spec, cal, init_report=init_report, fixed=job.fixed)
     start = saved["global_step"] if saved else 0
     del saved
     if resume:
@@ -115,4 +118,6 @@ def quantmla(job: MethodJob) -> MethodResult:
         "seconds_selection": module.seconds_selection,  # of seconds_fit (this process's part)
         "resumed_at_step": start,
     }
+    if job.fixed:
+        report["reused"] = reuse_report(job.fixed)
     return MethodResult("quantmla", best, report=report)

@@ -14,8 +14,9 @@ from tqdm.auto import tqdm
 from quantmla.calibration.context import CalibrationContext
 from quantmla.calibration.objectives import content_qdq, layer_output, rope_qdq
 from quantmla.methods.base import MethodJob, MethodResult
+from quantmla.methods.reuse import reuse_report, with_units
 from quantmla.metrics import RunningNMSE
-from quantmla.spec import QuantizerSpec, layer_spec
+from quantmla.spec import PATHS, QuantizerSpec, layer_spec
 from quantmla.transforms import ContentTransform, LayerTransforms, RopeTransform
 
 
@@ -57,18 +58,28 @@ def heldout_output_nmse(
 
 
 def alpha_search(
-    ctx: CalibrationContext, spec: QuantizerSpec | list[QuantizerSpec], alphas, batch_size: int = 4
+    ctx: CalibrationContext,
+    spec: QuantizerSpec | list[QuantizerSpec],
+    alphas,
+    batch_size: int = 4,
+    skip=frozenset(),
 ) -> tuple[list[LayerTransforms], dict]:
-    """Per layer (at its own spec, when `spec` is one per layer) and path, the α whose scales give the lowest held-out output NMSE (ties → smaller α)."""
+    """Per layer (at its own spec, when `spec` is one per layer) and path, the α whose scales give
+    the lowest held-out output NMSE (ties → smaller α). A path left unquantized needs no search
+    (every α leaves the output exact: α 0, NMSE 0, no transform); one in `skip` ((layer, path),
+    a unit taken from an earlier artifact) gets none here (α and NMSE None)."""
     layers, report = [], {"alpha": [], "heldout_nmse": []}
     for layer, module in enumerate(tqdm(ctx.modules, desc="alpha search", leave=False)):
         own = layer_spec(spec, layer)
-        stat_c, stat_p = ctx.channel_statistics(layer)
-        heldout = [ctx.project(layer, index) for index in ctx.heldout.split(batch_size)]
-        best = {}
-        for path, stat in (("content", stat_c), ("rope", stat_p)):
+        best = {p: (0.0, 0.0, None) for p in PATHS if own.path_key(p) is None}
+        best |= {p: (None, None, None) for p in PATHS if (layer, p) in skip and p not in best}
+        searched = [p for p in PATHS if p not in best]
+        if searched:
+            statistics = dict(zip(PATHS, ctx.channel_statistics(layer)))
+            heldout = [ctx.project(layer, index) for index in ctx.heldout.split(batch_size)]
+        for path in searched:
             for alpha in sorted(alphas):
-                scales = scales_from_statistics(stat, alpha)
+                scales = scales_from_statistics(statistics[path], alpha)
                 if path == "content":
                     t = ContentTransform(
                         torch.eye(module.kv_lora_rank, dtype=torch.float64), scales
@@ -80,12 +91,16 @@ def alpha_search(
                 if path not in best or loss < best[path][0]:
                     best[path] = (loss, alpha, t)
         layers.append(LayerTransforms(best["content"][2], best["rope"][2]))
-        report["alpha"].append({p: best[p][1] for p in best})
-        report["heldout_nmse"].append({p: best[p][0] for p in best})
+        report["alpha"].append({p: best[p][1] for p in PATHS})
+        report["heldout_nmse"].append({p: best[p][0] for p in PATHS})
     return layers, report
 
 
 def smoothquant(job: MethodJob) -> MethodResult:
     cal = job.calibration
-    layers, report = alpha_search(job.context, job.spec, cal.alphas, cal.batch_size)
-    return MethodResult("smoothquant", layers, report=report)
+    layers, report = alpha_search(
+        job.context, job.spec, cal.alphas, cal.batch_size, skip=job.fixed.keys()
+    )
+    if job.fixed:
+        report["reused"] = reuse_report(job.fixed)
+    return MethodResult("smoothquant", with_units(layers, job.fixed), report=report)

@@ -31,6 +31,7 @@ NON_RESULT_KEYS = (
     "model.build",  # how a testbed is built, not what it computes
     "eval.prefix_cache",  # lm-eval's scores with or without the shared-prefix cache
     "method.calibration.keep_teacher_outputs",  # a calibration's memory for speed, same fit
+    "method.calibration.reuse_units",  # units taken from earlier fits are the fitted ones
 )  # fmt: skip
 TRACKED_PACKAGES = (
     "torch",

@@ -1,0 +1,122 @@
+"""Units already fitted, taken from earlier artifacts instead of fitted again (docs/method.md §4).
+
+A calibrated method's transforms are separable: each layer's content transform and its RoPE
+transform (a *unit*) come from their own α search and their own objective with the other path
+exact, and Adam moves each parameter on its own gradient. So a unit is a function of its path's
+quantizer and of what every unit shares (model, weights, seed, calibration data, fit settings)
+alone: a C2R4 fit's content units are a C2R16 fit's, its RoPE units a C4R4 fit's, bit for bit
+(tests/test_reuse.py). A run takes each unit an earlier artifact holds and fits only the others;
+one whose units are all held fits nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from quantmla.errors import ConfigError
+from quantmla.methods.base import MethodResult, load_artifact
+from quantmla.spec import PATHS, QuantizerSpec
+from quantmla.transforms import ContentTransform, LayerTransforms, RopeTransform
+
+PER_RUN = ("precision", "quantizer")  # artifact metadata a unit does not depend on
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One layer's transform of one path, as an earlier artifact holds it."""
+
+    transform: ContentTransform | RopeTransform
+    source: str  # the artifact's file name
+    heldout: float | None = None  # its held-out objective at the step chosen (a fit's report)
+    step: int | None = None
+
+
+def needed_units(specs: list[QuantizerSpec]) -> dict[tuple[int, str], str]:
+    """(layer, path) → path key of every quantized unit of a run (an unquantized one has none)."""
+    return {
+        (layer, path): key
+        for layer, spec in enumerate(specs)
+        for path in PATHS
+        if (key := spec.path_key(path)) is not None
+    }
+
+
+def _artifact_specs(metadata: dict, n_layers: int) -> list[QuantizerSpec] | None:
+    try:
+        specs = [QuantizerSpec.from_key(k) for k in metadata["quantizer"].split(",")]
+    except (KeyError, ConfigError):
+        return None
+    specs = specs * n_layers if len(specs) == 1 else specs
+    return specs if len(specs) == n_layers else None
+
+
+def _reported(report: dict, field: str, layer: int, path: str):
+    entries = report.get(field) or []
+    return entries[layer].get(path) if layer < len(entries) else None
+
+
+def saved_units(directory: Path, expected: dict[str, str], specs: list[QuantizerSpec]) -> dict:
+    """Every unit of this run that an artifact in `directory` holds under the same shared
+    metadata (`expected` but its precision and quantizer), the first file by name for each."""
+    from safetensors import safe_open
+
+    wanted, found = needed_units(specs), {}
+    shared = {k: str(v) for k, v in expected.items() if k not in PER_RUN}
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            metadata = f.metadata() or {}
+        if any(metadata.get(k) != v for k, v in shared.items()):
+            continue
+        theirs = _artifact_specs(metadata, len(specs))
+        if theirs is None:
+            continue
+        held = [
+            u for u, key in wanted.items() if u not in found and theirs[u[0]].path_key(u[1]) == key
+        ]
+        if not held:
+            continue
+        result = load_artifact(file, shared)
+        for layer, path in held:
+            transform = getattr(result.layers[layer], path)
+            if transform is not None:
+                found[(layer, path)] = Unit(
+                    transform,
+                    file.name,
+                    _reported(result.report, "best_heldout", layer, path),
+                    _reported(result.report, "best_step", layer, path),
+                )
+    return found
+
+
+def reuse_report(units: dict) -> dict[str, list[str]]:
+    """Artifact file → the units taken from it ('layer/path')."""
+    report: dict[str, list[str]] = {}
+    for (layer, path), unit in sorted(units.items()):
+        report.setdefault(unit.source, []).append(f"{layer}/{path}")
+    return report
+
+
+def with_units(layers: list[LayerTransforms], units: dict) -> list[LayerTransforms]:
+    """`layers` with every held unit in its place (a fit's result and the units it did not fit)."""
+    return [
+        LayerTransforms(
+            *(units[(i, p)].transform if (i, p) in units else getattr(t, p) for p in PATHS)
+        )
+        for i, t in enumerate(layers)
+    ]
+
+
+def assemble(method: str, n_layers: int, units: dict) -> MethodResult:
+    """A result made of held units only (a path without one is not quantized: no transform)."""
+    layers = with_units([LayerTransforms() for _ in range(n_layers)], units)
+    report = {
+        "reused": reuse_report(units),
+        **{
+            field: [
+                {p: getattr(units.get((layer, p)), attr, None) for p in PATHS}
+                for layer in range(n_layers)
+            ]
+            for field, attr in (("best_step", "step"), ("best_heldout", "heldout"))
+        },
+    }
+    return MethodResult(method, layers, report=report)

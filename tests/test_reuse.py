@@ -1,0 +1,145 @@
+"""Units taken from earlier fits (quantmla/methods/reuse.py): a layer's content and RoPE transforms
+are separable, so a fit of one path alone gives, bit for bit, that path's transforms of a fit of
+both; a run takes the units an earlier artifact holds and fits only the rest, or nothing."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from quantmla.config import CalibrationConfig
+from quantmla.errors import ConfigError
+from quantmla.methods.base import MethodJob, save_artifact
+from quantmla.methods.quantmla_method import quantmla
+from quantmla.methods.reuse import Unit, assemble, needed_units, saved_units
+from quantmla.methods.smoothquant import smoothquant
+from quantmla.spec import QuantizerSpec
+from tests.conftest import needs_tiny, run_config, tiny_job
+
+C2R4, C2R16, C16R4, C4R4 = (QuantizerSpec.from_precision(p) for p in ("c2r4", "c2r16", "c16r4", "c4r4"))  # fmt: skip
+CAL = CalibrationConfig(steps=4, select_every=2, batch_size=2, alphas=[0.0, 0.5, 1.0])
+
+
+def fit(ctx, spec, method=quantmla, fixed=None):
+    return method(MethodJob(ctx.modules, spec, CAL, ctx, seed=0, fixed=fixed or {}))
+
+
+def tensors(transform) -> list[torch.Tensor]:
+    return [getattr(transform, f.name) for f in dataclasses.fields(transform)]
+
+
+def assert_same(a, b):
+    assert all(torch.equal(x, y) for x, y in zip(tensors(a), tensors(b), strict=True))
+
+
+@pytest.fixture(scope="module")
+def c2r4_fit(ctx):
+    return fit(ctx, C2R4)
+
+
+def test_spec_keys_read_back_and_path_keys():
+    for precision in (
+        "bf16",
+        "c4r4",
+        "c2r16",
+        "ce4m3r16",
+        "cnvfp4re4m3t",
+        "cmxfp4rmxfp4",
+        "clm4r16",
+    ):
+        spec = QuantizerSpec.from_precision(precision)
+        assert QuantizerSpec.from_key(spec.key) == spec
+    odd = QuantizerSpec.from_precision("c3r8", group_size=32, content_meta_dtype="float16")
+    assert QuantizerSpec.from_key(odd.key) == odd
+    with pytest.raises(ConfigError, match="quantizer"):
+        QuantizerSpec.from_key("c4r4-something")
+    assert C2R4.path_key("content") == C2R16.path_key("content") != C4R4.path_key("content")
+    assert C2R4.path_key("rope") == C4R4.path_key("rope") == C16R4.path_key("rope")
+    assert C2R16.path_key("rope") is None and C16R4.path_key("content") is None
+    assert needed_units([C2R16, C16R4]) == {
+        (0, "content"): C2R4.path_key("content"),
+        (1, "rope"): C2R4.path_key("rope"),
+    }
+    # an engine format's own blocks and scales: the spec's group size does not change its codes
+    lm4 = QuantizerSpec.from_precision("clm4r16")
+    assert lm4.path_key("content") == dataclasses.replace(lm4, group_size=32).path_key("content")
+    assert C2R4.path_key("content") != dataclasses.replace(C2R4, group_size=32).path_key("content")
+
+
+@pytest.mark.parametrize("method", [quantmla, smoothquant])
+def test_one_path_alone_fits_that_paths_transforms_of_both_bit_for_bit(ctx, c2r4_fit, method):
+    both = c2r4_fit if method is quantmla else fit(ctx, C2R4, smoothquant)
+    content_alone, rope_alone = fit(ctx, C2R16, method), fit(ctx, C16R4, method)
+    for layer in range(len(ctx.modules)):
+        assert_same(content_alone.layers[layer].content, both.layers[layer].content)
+        assert_same(rope_alone.layers[layer].rope, both.layers[layer].rope)
+
+
+def test_held_units_are_not_fitted_again(ctx, c2r4_fit, monkeypatch):
+    """The content units handed in: the content objective is never computed, the RoPE units are
+    fitted, and the result is the whole fit's, with where each unit came from."""
+
+    def computed(*args, **kwargs):
+        raise AssertionError("a held unit's objective was computed")
+
+    for where in ("quantmla.calibration.module", "quantmla.methods.smoothquant"):
+        monkeypatch.setattr(f"{where}.content_qdq", computed)
+    held = {(i, "content"): Unit(t.content, "a.safetensors") for i, t in enumerate(c2r4_fit.layers)}
+    partial = fit(ctx, C2R4, fixed=held)
+    for got, want in zip(partial.layers, c2r4_fit.layers):
+        assert_same(got.content, want.content)
+        assert_same(got.rope, want.rope)
+    assert partial.report["reused"] == {"a.safetensors": ["0/content", "1/content"]}
+    assert all(
+        set(entry) == {"step", "layer0/rope", "layer1/rope"} for entry in partial.report["history"]
+    )
+
+
+def test_saved_units_match_on_the_path_and_the_shared_settings(tmp_path, c2r4_fit):
+    def metadata(spec, seed="0"):
+        return {"model": "m", "method": "quantmla", "seed": seed, "calibration": "{}",
+                "precision": spec.precision, "quantizer": spec.key}  # fmt: skip
+
+    save_artifact(
+        dataclasses.replace(c2r4_fit, metadata=metadata(C2R4)), tmp_path / "a.safetensors"
+    )
+    other_seed = dataclasses.replace(c2r4_fit, metadata=metadata(C4R4, seed="1"))
+    save_artifact(other_seed, tmp_path / "b.safetensors")
+    units = saved_units(tmp_path, metadata(C2R16), [C2R16, C2R16])
+    assert set(units) == {(0, "content"), (1, "content")}
+    assert_same(units[(1, "content")].transform, c2r4_fit.layers[1].content)
+    assert units[(1, "content")].step == c2r4_fit.report["best_step"][1]["content"]
+    # C4R4 at seed 0: only the RoPE units are held (the seed-1 artifact shares no settings)
+    assert set(saved_units(tmp_path, metadata(C4R4), [C4R4, C4R4])) == {(0, "rope"), (1, "rope")}
+    # a per-layer allocation: each layer's own path
+    units = saved_units(tmp_path, metadata(C2R16), [C2R16, C16R4])
+    assert set(units) == {(0, "content"), (1, "rope")}
+    result = assemble("quantmla", 2, units)
+    assert result.layers[0].rope is None and result.layers[1].content is None
+    assert_same(result.layers[1].rope, c2r4_fit.layers[1].rope)
+    assert result.report["reused"] == {"a.safetensors": ["0/content", "1/rope"]}
+
+
+@needs_tiny
+def test_a_run_whose_units_were_all_fitted_fits_nothing(tmp_path, monkeypatch):
+    """End to end: C2R4 is fitted and saved; C2R16 then assembles its transforms from that
+    artifact without capturing a teacher, and scores as its own fit does."""
+    from quantmla.run import run
+
+    small = ["method=quantmla", "method.calibration.n_calibration=4", "method.calibration.n_heldout=2",
+             "method.calibration.seqlen=64", "method.calibration.steps=2", "method.calibration.select_every=1",
+             "method.calibration.alphas=[0.0]", "model.eval_seqlen=256"]  # fmt: skip
+    run(run_config(*tiny_job(tmp_path, *small, "precision=c2r4")))
+
+    def captured(*args, **kwargs):
+        raise AssertionError("a run whose units were all held captured a teacher")
+
+    monkeypatch.setattr("quantmla.methods.prepare.capture_inputs", captured)
+    assembled = run(run_config(*tiny_job(tmp_path, *small, "precision.name=c2r16")))["metrics"]
+    monkeypatch.undo()
+    refitted = run(run_config(*tiny_job(tmp_path, *small, "precision.name=c2r16", "force=true",
+                                        "method.calibration.reuse_units=false")))["metrics"]  # fmt: skip
+    (source,) = assembled["method/report"]["reused"]
+    assert assembled["method/report"]["reused"] == {source: [f"{i}/content" for i in range(6)]}
+    assert "reused" not in refitted["method/report"]
+    assert assembled["ppl/wikitext2"] == refitted["ppl/wikitext2"]
