@@ -1,6 +1,6 @@
 """Regenerate a figure (PNG and PDF) from the results store only.
 
-    python -m analysis.figures {fig2,fig4,fig5a,fig5b,fig5c,fig6,fig7,frontier} [--experiment NAME] [--results results] [--out docs]
+    python -m analysis.figures {fig2,fig4,fig5a,fig5b,fig5c,fig6,fig7,frontier,layer_nmse} [--experiment NAME] [--results results] [--out docs]
 
 `fig4`: RULER S-NIAH accuracy vs context length (`experiment=fig4_ruler`).
 `fig5b`: decode latency relative to BF16 vs context (`experiment=fig5b_latency`, needs a GPU).
@@ -9,6 +9,7 @@
 `fig2`, `fig6`: the sensitivity study (`experiment=fig2_sensitivity`, analysis/sensitivity.py);
 `fig7`: the operator analysis (`experiment=table5_probes`, analysis/probes.py).
 `frontier`: bytes per token vs Δ perplexity and NMSE (`experiment=frontier`, analysis/frontier.py).
+`layer_nmse`: each method's attention-output NMSE per layer (a Table 1 twin's perplexity records).
 
 `fig5a`: persistent KV-cache memory per layer and request, 1K–1M tokens, one curve per precision,
 from the records of `python -m quantmla.run experiment=fig5a_memory` (the model's own d_c, d_r),
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from analysis import frontier, probes, sensitivity, throughput
+from analysis import frontier, layer_nmse, probes, sensitivity, throughput
 from analysis.common import (
     add_wandb_arguments,
     default_results_dir,
@@ -268,6 +269,7 @@ def _figures():
         "fig6": (_named(sensitivity.fig6, "fig6_sensitivity_layers"), "fig2_sensitivity"),
         "fig7": (_named(probes.fig7, "fig7_operator"), "table5_probes"),
         "frontier": (_named(frontier.frontier, "frontier"), "frontier"),
+        "layer_nmse": (_named(layer_nmse.fig_layer_nmse, "layer_nmse"), "table1"),
     }
 
 
@@ -276,7 +278,7 @@ def _fig5c_sweep(records, out, stem):
     return throughput.fig5c_sweep(records, out, stem, paper)
 
 
-FIGURES = ("fig2", "fig4", "fig5a", "fig5b", "fig5c", "fig5c_sweep", "fig6", "fig7", "frontier")
+FIGURES = ("fig2", "fig4", "fig5a", "fig5b", "fig5c", "fig5c_sweep", "fig6", "fig7", "frontier", "layer_nmse")  # fmt: skip
 
 
 def main() -> None:

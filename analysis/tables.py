@@ -10,6 +10,7 @@ bold), "—" for a missing cell (never zero), and the paper's own numbers beside
     python -m analysis.tables frontier | frontier_pairs [--experiment tiny_frontier]   # issue #23
     python -m analysis.tables smol_testbed | smol_outliers | smol_rtn_cost              # issue #39
     python -m analysis.tables smol_path_split    # the C2R4 baselines per path (issue #40)
+    python -m analysis.tables layer_nmse --experiment smol_table1   # per-layer attention-output NMSE
     python -m analysis.tables claims             # the paper's claims on each testbed (issue #40)
 """
 
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from analysis import claims, costs, frontier, probes, sensitivity, testbed, throughput
+from analysis import claims, costs, frontier, layer_nmse, probes, sensitivity, testbed, throughput
 from analysis.common import (
     add_wandb_arguments,
     changed_documents,
@@ -292,6 +293,7 @@ def study_tables(paper: dict) -> dict:
         "smol_testbed": (testbed.testbed_rows, "smol_testbed"),
         "smol_outliers": (testbed.outlier_rows, "smol_testbed"),
         "smol_rtn_cost": (testbed.rtn_cost_rows, "smol_rtn_cost"),
+        "layer_nmse": (layer_nmse.layer_rows, "table1"),
         "claims": (claims.claims_rows, ""),  # every experiment's records
         "smol_costs": (costs.cost_rows, ""),
         "fig5c_sweep": (
@@ -303,7 +305,7 @@ def study_tables(paper: dict) -> dict:
 
 STUDY_TABLES = (
     "table4", "table5", "table6", "allocation", "probe_layers", "frontier", "frontier_pairs", "fig5c_sweep",
-    "smol_testbed", "smol_outliers", "smol_rtn_cost", "claims", "smol_costs",
+    "smol_testbed", "smol_outliers", "smol_rtn_cost", "claims", "smol_costs", "layer_nmse",
 )  # fmt: skip
 
 

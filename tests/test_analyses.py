@@ -318,3 +318,36 @@ def test_the_per_layer_table_averages_cells_and_ranks_the_permutation_with_the_a
     draws = [m["probes/ratio_isotropic"][1][0] for m in (a, b)]
     assert layers[1][8] == f"{np.median(draws):.2f}×"
     assert median[-1] == "1.00" and all(row[-1] == "" for row in layers)
+
+
+def _nmse_record(precision, method, layers, created="2026-12-05"):
+    return {
+        "created": created,
+        "config": {"model": {"name": "m"}, "precision": {"name": precision},
+                   "method": {"name": method}},
+        "metrics": {"nmse/attn_layers": layers},
+    }  # fmt: skip
+
+
+def test_layer_nmse_counts_each_methods_lowest_layers_and_draws(tmp_path):
+    from analysis import layer_nmse
+
+    records = [
+        _nmse_record("c4r4", "rtn", [4e-3, 1e-3, 9e-3]),
+        _nmse_record("c4r4", "quarot", [2e-3, 1e-4, 3e-3]),
+        _nmse_record("c4r4", "quantmla", [1e-3, 5e-4, 1e-3]),
+        _nmse_record(
+            "c4r4", "quantmla", [9e-1, 9e-1, 9e-1], created="2026-12-01"
+        ),  # older: not shown
+        _nmse_record("c2r4", "rtn", [1e-1, 2e-1, 3e-1]),
+        _nmse_record("bf16", "rtn", [0.0, 0.0, 0.0]),
+    ]
+    rows = layer_nmse.layer_rows(records)
+    assert [r[:2] for r in rows[1:]] == [["C4R4", "RTN"], ["C4R4", "QuaRot†"], ["C4R4", "QuantMLA"],
+                                         ["C2R4", "RTN"]]  # fmt: skip
+    rtn, quarot, ours, c2 = rows[1:]
+    assert ours[2] == f"{np.mean([1e-3, 5e-4, 1e-3]):.3e}" and ours[4] == "1.000e-03 (0)"
+    assert (rtn[5], quarot[5], ours[5]) == ("0 of 3", "1 of 3", "2 of 3")
+    assert (rtn[6], quarot[6], ours[6], c2[6]) == ("3 of 3", "2 of 3", "—", "—")
+    written = layer_nmse.fig_layer_nmse(records, tmp_path, "layers")
+    assert [p.name for p in written] == ["layers.png", "layers.pdf"]
