@@ -126,9 +126,9 @@ JOBS = (
     # path alone is assembled from the C2R4 / C4R4 fits' units, nothing fitted
     Job("path split QuantMLA", "QuantMLA's rows of the path split: its learned per-pair RoPE "
         "transforms against QuaRot†'s online Hadamard, its content transforms alone",
-        "~5 min a cell: nothing fitted", ("experiment=smol_table1", "experiment_name=smol_path_split",
+        "2-3 min a cell: nothing fitted", ("experiment=smol_table1", "experiment_name=smol_path_split",
                                           "precision=c2r16,c16r4", "method=quantmla")),
-    Job("tiny-mla-v2 path split QuantMLA", "the same on the tiny testbed", "~2 min a cell",
+    Job("tiny-mla-v2 path split QuantMLA", "the same on the tiny testbed", "~15 s a cell",
         ("experiment=tiny_table1_v2", "experiment_name=tiny_path_split", "eval=perplexity",
          "precision=c2r16,c16r4", "method=quantmla")),
 )  # fmt: skip
