@@ -142,10 +142,11 @@ class QuantMLACalibration(L.LightningModule):
     def training_step(self, index, _):
         total = 0.0
         for layer in range(len(self.layers)):
-            content, rope = self.losses(layer, index, ste=True)
-            self.log(f"calib/layer{layer}/content", content)
-            self.log(f"calib/layer{layer}/rope", rope)
-            total = total + content + rope
+            losses = self.losses(layer, index, ste=True)
+            for path, fitted, value in zip(PATHS, self.fitted(layer), losses):
+                if fitted:  # a held or unquantized unit has no curve in this fit
+                    self.log(f"calib/layer{layer}/{path}", value)
+            total = total + sum(losses)
         self.log("calib/loss", total, prog_bar=True)
         return total
 
