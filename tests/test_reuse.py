@@ -143,3 +143,39 @@ def test_a_run_whose_units_were_all_fitted_fits_nothing(tmp_path, monkeypatch):
     assert assembled["method/report"]["reused"] == {source: [f"{i}/content" for i in range(6)]}
     assert "reused" not in refitted["method/report"]
     assert assembled["ppl/wikitext2"] == refitted["ppl/wikitext2"]
+
+
+def test_a_stopped_fit_with_held_units_resumes_to_the_same_transforms(
+    ctx, c2r4_fit, tmp_path, monkeypatch
+):
+    """The saved state leaves the held units out (the rerun job brings them again): a stopped
+    partial fit resumes to the uninterrupted one's transforms and selections."""
+    from quantmla.calibration.module import QuantMLACalibration
+
+    held = {
+        (i, "rope"): Unit(t.rope, "a.safetensors", 0.5, 2) for i, t in enumerate(c2r4_fit.layers)
+    }
+    cal = dataclasses.replace(CAL, steps=6)
+
+    def job(resume=None):
+        return MethodJob(ctx.modules, C2R4, cal, ctx, seed=0, resume_path=resume, fixed=held)
+
+    whole = quantmla(job())
+    stop_at = QuantMLACalibration.on_train_batch_end
+
+    def stopping(self, outputs, batch, batch_idx):
+        stop_at(self, outputs, batch, batch_idx)
+        if self.global_step == 3:
+            raise RuntimeError("stopped")
+
+    monkeypatch.setattr(QuantMLACalibration, "on_train_batch_end", stopping)
+    with pytest.raises(RuntimeError, match="stopped"):
+        quantmla(job(tmp_path / "fit.ckpt"))
+    monkeypatch.setattr(QuantMLACalibration, "on_train_batch_end", stop_at)
+    resumed = quantmla(job(tmp_path / "fit.ckpt"))
+    assert resumed.report["resumed_at_step"] == 2
+    assert resumed.report["best_step"] == whole.report["best_step"]
+    assert [b["rope"] for b in whole.report["best_step"]] == [2, 2]  # the held units' own
+    for got, want, source in zip(resumed.layers, whole.layers, c2r4_fit.layers):
+        assert_same(got.content, want.content)
+        assert_same(got.rope, source.rope)
