@@ -77,7 +77,8 @@ JOBS = (
     Job("QuantMLA C4R4", "Table 1 twin's C4R4 QuantMLA row (C4R4 parity claim)", "57 min: 53 of it calibration",
         ("experiment=smol_table1", "precision=c4r4", "method=quantmla")),
     Job("mixed QuantMLA at 120 B", "the issue-#23 target: mixed vs uniform QuantMLA C2R4 at 120 B",
-        "~1.5 h: the check, one fit (as job 15); job 2's errors", ("experiment=smol_frontier", "method=quantmla", "precision=mixed",
+        "≤ 1.5 h: the check, a fit of the units no earlier fit holds (C2R4's INT2 latents and INT4 "
+        "RoPE keys are held; run job 21 first for its MXFP4 ones); job 2's errors", ("experiment=smol_frontier", "method=quantmla", "precision=mixed",
                        "precision.budget_bytes=120", "precision.allocation_method=rtn",
                        "precision.joint_top=16", "method.calibration.seqlen=512")),
     Job("mixed RTN at the peers' bytes", "mixed allocations at C3R4's, MXFP4's, C4R4's, NVFP4's and "
