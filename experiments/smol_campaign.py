@@ -132,6 +132,13 @@ JOBS = (
     Job("tiny-mla-v2 path split QuantMLA", "the same on the tiny testbed", "~15 s a cell",
         ("experiment=tiny_table1_v2", "experiment_name=tiny_path_split", "eval=perplexity",
          "precision=c2r16,c16r4", "method=quantmla")),
+    # the RoPE path fitted to the attention output (docs/method.md §4): C16R4 fits its RoPE units,
+    # C4R4 and C2R4 then take them and the default fits' content units (nothing fitted)
+    Job("RoPE fitted to the output", "whether QuantMLA's RoPE path closes its gap to QuaRot†'s "
+        "Hadamard when fitted to the attention output instead of the QK scores",
+        "~1 h: one RoPE fit (a content fit's cost), then 3 min a cell",
+        ("experiment=smol_table1", "experiment_name=smol_rope_objective", "method=quantmla",
+         "precision=c16r4,c4r4,c2r4", "method.calibration.rope_objective=output")),
 )  # fmt: skip
 
 

@@ -123,6 +123,12 @@ class CalibrationConfig:
     lr_rotation: float = opt(1e-3, "Adam learning rate of the Cayley parameters")
     lr_scale: float = opt(1e-2, "Adam learning rate of angles and log-scales")
     select_every: int = opt(25, "steps between held-out checkpoint selections")
+    rope_objective: str = opt(
+        "qk",
+        "QuantMLA's RoPE-path target: qk = the positional QK-score error over all causal pairs "
+        "(the paper's), output = the attention output with the RoPE path alone quantized (as "
+        "the content path's; an extension)",
+    )
     reuse_units: bool = opt(
         True,
         "take each layer's content / RoPE transform an earlier artifact fitted at the same path "
@@ -292,6 +298,10 @@ register_schemas()
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 FP8_MODES = ("native", "dequantize")
+ROPE_OBJECTIVES = ("qk", "output")
+# calibration fields added after records and artifacts existed: hashed (a record's config, an
+# artifact's fit settings) only off this default, so the earlier ones keep their keys
+CALIBRATION_HASH_NEUTRAL = {"rope_objective": "qk"}
 DATASETS = ("wikitext2", "c4")
 LOGGERS = ("wandb", "none")
 

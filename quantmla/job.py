@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
-from quantmla.config import DTYPES, FP8_MODES, LOGGERS
+from quantmla.config import DTYPES, FP8_MODES, LOGGERS, ROPE_OBJECTIVES
 from quantmla.errors import ConfigError, DataNotFoundError, NotImplementedYet
 from quantmla.paths import Paths, hub_offline, local_config_json
 from quantmla.policy import CachePolicy
@@ -68,6 +68,24 @@ def narrow_precision(config: dict) -> dict:
     return {**config, "precision": {k: v for k, v in block.items() if k not in MIXED_FIELDS}}
 
 
+def narrow_method(config: dict) -> dict:
+    """A resolved config dict whose calibration block keeps the fields added later only off
+    their default (every earlier record keeps its hash)."""
+    from quantmla.config import CALIBRATION_HASH_NEUTRAL
+
+    cal = config["method"].get("calibration")
+    if not cal:
+        return config
+    neutral = CALIBRATION_HASH_NEUTRAL.items()
+    kept = {k: v for k, v in cal.items() if (k, v) not in neutral}
+    return {**config, "method": {**config["method"], "calibration": kept}}
+
+
+def record_config(config: dict) -> dict:
+    """A resolved config dict as its record keeps and hashes it."""
+    return narrow_method(narrow_precision(narrow_eval(config)))
+
+
 def check_writable(path: Path, field_name: str) -> None:
     """Create `path` if needed and prove a file can be written in it (before any heavy work)."""
     try:
@@ -98,6 +116,11 @@ def resolve(cfg) -> Job:
         raise ConfigError(
             "method.calibration", None, "a calibration block (see conf/method/quantmla.yaml)"
         )
+    if calibrates and cfg.method.calibration.rope_objective not in ROPE_OBJECTIVES:
+        raise ConfigError(
+            "method.calibration.rope_objective", cfg.method.calibration.rope_objective,
+            ROPE_OBJECTIVES,
+        )  # fmt: skip
     if cfg.model.dtype not in DTYPES:
         raise ConfigError("model.dtype", cfg.model.dtype, DTYPES)
     if cfg.model.fp8 not in FP8_MODES:
@@ -147,9 +170,7 @@ def resolve(cfg) -> Job:
         check_checkpoint_reachable(cfg, paths)
         check_checkpoint(paths.checkpoint(cfg.model.path))
         check_fp8_native(cfg, model_config)
-    config = narrow_precision(
-        narrow_eval(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
-    )
+    config = record_config(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
     weights = weights_fingerprint(paths.checkpoint(cfg.model.path))
     # the weights are part of the job: a retrained checkpoint under the same path is a new record
     config["model"]["weights"] = weights

@@ -28,7 +28,7 @@ def migrate(results_dir: Path, dry_run: bool = False) -> dict[str, int]:
     from omegaconf import OmegaConf
 
     from quantmla.config import RunConfig
-    from quantmla.job import narrow_eval, narrow_precision
+    from quantmla.job import record_config
     from quantmla.tracking.store import config_hash, write_atomic
 
     defaults = OmegaConf.to_container(OmegaConf.structured(RunConfig), resolve=True)
@@ -37,7 +37,7 @@ def migrate(results_dir: Path, dry_run: bool = False) -> dict[str, int]:
     for path in sorted(results_dir.glob("*/*/result.json")):
         try:
             record = json.loads(path.read_text())
-            config = narrow_precision(narrow_eval(with_new_fields(record["config"], defaults)))
+            config = record_config(with_new_fields(record["config"], defaults))
         except (ValueError, KeyError) as err:
             print(f"[migrate] skipped {path}: {err}", file=sys.stderr)
             counts["unreadable"] += 1

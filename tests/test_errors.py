@@ -96,6 +96,12 @@ CASES = {
         lambda tmp: validate(run_config(**{"method.name": "gptq"})),
         "method.name='gptq'",
     ),
+    "unknown RoPE objective": (
+        lambda tmp: validate(
+            run_config(**{"method.name": "quantmla", "method.calibration.rope_objective": "kl"})
+        ),
+        "method.calibration.rope_objective='kl'",
+    ),
 }
 
 

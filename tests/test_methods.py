@@ -180,6 +180,7 @@ def test_quarot_and_equivalence_check(ctx):
 def test_artifacts_are_keyed_by_the_fit_settings(tmp_path):
     """Two runs that differ only in a fit setting (steps, learning rates, α grid, …) never share
     an artifact; capture batching, which does not change the fit, does."""
+    import json
     from types import SimpleNamespace
 
     from quantmla.methods.prepare import artifact_metadata
@@ -203,9 +204,21 @@ def test_artifacts_are_keyed_by_the_fit_settings(tmp_path):
             "method.calibration.lr_rotation=0.5",
             "method.calibration.alphas=[0.5]",
             "method.calibration.select_every=3",
+            "method.calibration.rope_objective=output",
         )
     ]
-    assert len({base, *changed}) == 5
+    assert len({base, *changed}) == 6
+    # a setting added later enters the key only off its default: earlier artifacts keep theirs
+    cfg = run_config(*tiny_job(tmp_path, "method=quantmla"))
+    fit = json.loads(artifact_metadata(cfg, model, specs, "data", "w")["calibration"])
+    assert sorted(fit) == [
+        "alphas",
+        "batch_size",
+        "lr_rotation",
+        "lr_scale",
+        "select_every",
+        "steps",
+    ]
     assert key("method.calibration.capture_batch_size=1") == base
 
 

@@ -179,3 +179,34 @@ def test_a_stopped_fit_with_held_units_resumes_to_the_same_transforms(
     for got, want, source in zip(resumed.layers, whole.layers, c2r4_fit.layers):
         assert_same(got.content, want.content)
         assert_same(got.rope, source.rope)
+
+
+def test_the_output_rope_objective_fits_only_the_rope_units_differently(ctx, c2r4_fit, tmp_path):
+    """`rope_objective=output` (the attention output with the RoPE path alone quantized) changes
+    the RoPE units only: the content units are the QK-objective fit's, bit for bit, and are taken
+    from its artifact; its RoPE units are not."""
+    import json
+
+    from quantmla.calibration.module import QuantMLACalibration
+    from quantmla.methods.smoothquant import heldout_output_nmse
+    from quantmla.transforms import LayerTransforms, RopeTransform
+
+    output = dataclasses.replace(CAL, rope_objective="output")
+    module = QuantMLACalibration(ctx, [LayerTransforms()] * 2, C16R4, output)
+    _, rope = module.losses(1, ctx.heldout, ste=False)  # identity transforms: the native cache's
+    identity = RopeTransform.identity(ctx.modules[1].qk_rope_head_dim)
+    native = heldout_output_nmse(ctx, 1, C16R4, rope=identity, batch_size=len(ctx.heldout))
+    assert native > 0
+    assert float(rope) == pytest.approx(native, rel=1e-5)
+    fitted = quantmla(MethodJob(ctx.modules, C2R4, output, ctx, seed=0))
+    for got, qk in zip(fitted.layers, c2r4_fit.layers):
+        assert_same(got.content, qk.content)
+        assert not torch.equal(got.rope.scales, qk.rope.scales)
+
+    def metadata(settings):
+        return {"model": "m", "method": "quantmla", "seed": "0", "precision": "c2r4",
+                "quantizer": C2R4.key, "calibration": json.dumps(settings)}  # fmt: skip
+
+    save_artifact(dataclasses.replace(c2r4_fit, metadata=metadata({})), tmp_path / "qk.safetensors")
+    units = saved_units(tmp_path, metadata({"rope_objective": "output"}), [C2R4, C2R4])
+    assert set(units) == {(0, "content"), (1, "content")}

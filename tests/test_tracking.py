@@ -36,6 +36,22 @@ def as_dict(*overrides):
     return OmegaConf.to_container(resolved(*overrides), resolve=True)
 
 
+def test_calibration_fields_added_later_are_hashed_only_off_their_default():
+    """`rope_objective` at its default leaves a record's config (and hash) as it was before the
+    field existed; off it, the record is another."""
+    from quantmla.job import record_config
+
+    default = record_config(as_dict("method=quantmla"))
+    assert "rope_objective" not in default["method"]["calibration"]
+    before = as_dict("method=quantmla")
+    del before["method"]["calibration"]["rope_objective"]
+    assert store.config_hash(default) == store.config_hash(record_config(before))
+    output = record_config(as_dict("method=quantmla", "method.calibration.rope_objective=output"))
+    assert output["method"]["calibration"]["rope_objective"] == "output"
+    assert store.config_hash(output) != store.config_hash(default)
+    assert record_config(as_dict())["method"].get("calibration") is None  # RTN: no block
+
+
 def test_config_hash_stable_and_sensitive():
     base = store.config_hash(as_dict())
     assert base == store.config_hash(as_dict())

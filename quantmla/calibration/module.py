@@ -4,7 +4,8 @@ Trainable parameters are the transforms only: per layer a Cayley parameter P (R_
 identity at P = 0) and log s_C; per RoPE pair an angle θ_i and log s_i. Scales are
 exp(clip(log s, −2, 2)). Each step, every layer computes its two path-isolated objectives on the
 same batch of calibration sequences (content: normalised post-o_proj output MSE with RoPE exact;
-RoPE: normalised positional-QK error over all causal pairs and heads with content exact), with a
+RoPE: normalised positional-QK error over all causal pairs and heads with content exact, or with
+`rope_objective=output` the output MSE with the RoPE path alone quantized), with a
 straight-through estimator on rounding and no BF16 protection. Layers and paths share no
 parameters, so the summed loss trains them independently. Every `select_every` steps (and before
 the first) the held-out objectives pick the best checkpoint per layer and path.
@@ -23,7 +24,12 @@ import torch
 from torch import nn
 
 from quantmla.calibration.context import CalibrationContext
-from quantmla.calibration.objectives import content_qdq, layer_output, positional_qk_loss
+from quantmla.calibration.objectives import (
+    content_qdq,
+    layer_output,
+    positional_output_loss,
+    positional_qk_loss,
+)
 from quantmla.config import CalibrationConfig
 from quantmla.metrics import nmse
 from quantmla.spec import PATHS, QuantizerSpec, layer_spec
@@ -104,7 +110,8 @@ class QuantMLACalibration(L.LightningModule):
         content = rope = torch.zeros((), device=self.ctx.device)
         if not (fit_content or fit_rope):
             return content, rope
-        proj, y = self.ctx.project(layer, index, teacher=fit_content)
+        to_output = fit_rope and self.cal.rope_objective == "output"
+        proj, y = self.ctx.project(layer, index, teacher=fit_content or to_output)
         params, spec = self.layers[layer], layer_spec(self.spec, layer)
         if fit_content:
             rotation, scale = params.content()
@@ -115,14 +122,15 @@ class QuantMLACalibration(L.LightningModule):
             content = nmse(layer_output(module, self.ctx.adapter, proj, c=c_hat), y)
         if fit_rope:
             transform, layout = params.rope(), self._layout(layer)
-            rope = positional_qk_loss(
-                proj.q_rot,
-                proj.k_rot,
-                transform.key_matrix(layout).to(proj.k_rot),
-                transform.query_matrix(layout).to(proj.k_rot),
-                spec,
-                ste=ste,
-            )
+            key = transform.key_matrix(layout).to(proj.k_rot)
+            query = transform.query_matrix(layout).to(proj.k_rot)
+            if to_output:
+                module = self.ctx.modules[layer]
+                rope = positional_output_loss(
+                    module, self.ctx.adapter, proj, y, key, query, spec, ste=ste
+                )
+            else:
+                rope = positional_qk_loss(proj.q_rot, proj.k_rot, key, query, spec, ste=ste)
         return content, rope
 
     def fitted(self, layer: int) -> tuple[bool, bool]:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from quantmla.attention import attention_output, causal_regions
-from quantmla.metrics import ENERGY_FLOOR
+from quantmla.metrics import ENERGY_FLOOR, nmse
 from quantmla.quant import qdq_content, qdq_rope
 from quantmla.spec import UNQUANTIZED_BITS, QuantizerSpec
 
@@ -61,6 +61,18 @@ def positional_qk_loss(q_rot, k_rot, key_matrix, query_matrix, spec: QuantizerSp
     with torch.no_grad():
         energy = causal_score_energy(q_rot, k_rot)
     return error / energy.clamp_min(ENERGY_FLOOR)
+
+
+def positional_output_loss(
+    module, adapter, proj, teacher, key_matrix, query_matrix, spec, ste=False
+):
+    """Normalised post-`o_proj` output MSE with the RoPE path alone quantized (content exact): the
+    content objective's target for the RoPE path (`rope_objective=output`); the α search's own
+    criterion."""
+    if spec.rope_bits >= UNQUANTIZED_BITS:
+        return proj.k_rot.new_zeros(())
+    q_hat, k_hat = rope_qdq(proj.q_rot, proj.k_rot, key_matrix, query_matrix, spec, ste)
+    return nmse(layer_output(module, adapter, proj, q_rot=q_hat, k_rot=k_hat), teacher)
 
 
 def layer_output(module, adapter, proj, c=None, q_rot=None, k_rot=None) -> torch.Tensor:

@@ -15,6 +15,7 @@ import time
 import torch
 
 from quantmla.calibration.context import CalibrationContext
+from quantmla.config import CALIBRATION_HASH_NEUTRAL
 from quantmla.data import calibration_split, load_text, tokenize
 from quantmla.methods.base import ArtifactMismatchError, MethodJob, load_artifact, save_artifact
 from quantmla.methods.registry import METHODS
@@ -43,6 +44,14 @@ def calibration_sequences(cfg, paths, tokenizer) -> tuple[torch.Tensor, int]:
 FIT_SETTINGS = ("alphas", "steps", "batch_size", "lr_rotation", "lr_scale", "select_every")
 
 
+def fit_settings(cal) -> dict:
+    """The settings that shape a fit, as an artifact's metadata keeps them."""
+    settings = {k: getattr(cal, k) for k in FIT_SETTINGS}
+    later = CALIBRATION_HASH_NEUTRAL.items()
+    settings |= {k: getattr(cal, k) for k, v in later if getattr(cal, k) != v}
+    return settings
+
+
 def artifact_metadata(
     cfg, model, specs: list[QuantizerSpec], data_hash: str, weights
 ) -> dict[str, str]:
@@ -60,9 +69,7 @@ def artifact_metadata(
         "seed": str(cfg.seed),
         "calibration_data": data_hash,
         "calibration": json.dumps(
-            {k: getattr(cfg.method.calibration, k) for k in FIT_SETTINGS},
-            sort_keys=True,
-            default=list,  # alphas: an OmegaConf list
+            fit_settings(cfg.method.calibration), sort_keys=True, default=list
         ),
     }
 

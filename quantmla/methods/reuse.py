@@ -3,13 +3,14 @@
 A calibrated method's transforms are separable: each layer's content transform and its RoPE
 transform (a *unit*) come from their own α search and their own objective with the other path
 exact, and Adam moves each parameter on its own gradient. So a unit is a function of its path's
-quantizer and of what every unit shares (model, weights, seed, calibration data, fit settings)
-alone: a C2R4 fit's content units are a C2R16 fit's, its RoPE units a C4R4 fit's, bit for bit
+quantizer and of what every unit shares (model, weights, seed, calibration data, fit settings;
+a setting of one path's, `PATH_SETTINGS`, only that path's units) alone: a C2R4 fit's content units are a C2R16 fit's, its RoPE units a C4R4 fit's, bit for bit
 (tests/test_reuse.py). A run takes each unit an earlier artifact holds and fits only the others;
 one whose units are all held fits nothing."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from quantmla.spec import PATHS, QuantizerSpec
 from quantmla.transforms import ContentTransform, LayerTransforms, RopeTransform
 
 PER_RUN = ("precision", "quantizer")  # artifact metadata a unit does not depend on
+PATH_SETTINGS = {"rope_objective": "rope"}  # fit settings that shape one path's units only
 
 
 @dataclass(frozen=True)
@@ -57,21 +59,29 @@ def _reported(report: dict, field: str, layer: int, path: str):
 
 def saved_units(directory: Path, expected: dict[str, str], specs: list[QuantizerSpec]) -> dict:
     """Every unit of this run that an artifact in `directory` holds under the same shared
-    metadata (`expected` but its precision and quantizer), the first file by name for each."""
+    metadata (`expected` but its precision and quantizer, and the other path's own settings),
+    the first file by name for each."""
     from safetensors import safe_open
 
     wanted, found = needed_units(specs), {}
-    shared = {k: str(v) for k, v in expected.items() if k not in PER_RUN}
+    shared = {k: str(v) for k, v in expected.items() if k not in (*PER_RUN, "calibration")}
     for file in sorted(Path(directory).glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
             metadata = f.metadata() or {}
         if any(metadata.get(k) != v for k, v in shared.items()):
             continue
         theirs = _artifact_specs(metadata, len(specs))
-        if theirs is None:
+        if theirs is None or "calibration" not in metadata:
             continue
+        settled = {
+            p: _path_settings(metadata["calibration"], p)
+            == _path_settings(expected["calibration"], p)
+            for p in PATHS
+        }
         held = [
-            u for u, key in wanted.items() if u not in found and theirs[u[0]].path_key(u[1]) == key
+            (layer, p)
+            for (layer, p), key in wanted.items()
+            if (layer, p) not in found and settled[p] and theirs[layer].path_key(p) == key
         ]
         if not held:
             continue
@@ -86,6 +96,11 @@ def saved_units(directory: Path, expected: dict[str, str], specs: list[Quantizer
                     _reported(result.report, "best_step", layer, path),
                 )
     return found
+
+
+def _path_settings(calibration: str, path: str) -> dict:
+    """An artifact's fit settings (its metadata's JSON) that shape `path`'s units."""
+    return {k: v for k, v in json.loads(calibration).items() if PATH_SETTINGS.get(k, path) == path}
 
 
 def reuse_report(units: dict) -> dict[str, list[str]]:
