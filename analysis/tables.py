@@ -11,6 +11,7 @@ bold), "—" for a missing cell (never zero), and the paper's own numbers beside
     python -m analysis.tables smol_testbed | smol_outliers | smol_rtn_cost              # issue #39
     python -m analysis.tables smol_path_split    # the C2R4 baselines per path (issue #40)
     python -m analysis.tables layer_nmse --experiment smol_table1   # per-layer attention-output NMSE
+    python -m analysis.tables rope_objective     # QuantMLA's RoPE path fitted to QK scores or output
     python -m analysis.tables claims             # the paper's claims on each testbed (issue #40)
 """
 
@@ -24,7 +25,17 @@ from pathlib import Path
 
 import yaml
 
-from analysis import claims, costs, frontier, layer_nmse, probes, sensitivity, testbed, throughput
+from analysis import (
+    claims,
+    costs,
+    frontier,
+    layer_nmse,
+    probes,
+    rope_objective,
+    sensitivity,
+    testbed,
+    throughput,
+)
 from analysis.common import (
     add_wandb_arguments,
     changed_documents,
@@ -294,6 +305,7 @@ def study_tables(paper: dict) -> dict:
         "smol_outliers": (testbed.outlier_rows, "smol_testbed"),
         "smol_rtn_cost": (testbed.rtn_cost_rows, "smol_rtn_cost"),
         "layer_nmse": (layer_nmse.layer_rows, "table1"),
+        "rope_objective": (rope_objective.rope_objective_rows, ""),  # three experiments' records
         "claims": (claims.claims_rows, ""),  # every experiment's records
         "smol_costs": (costs.cost_rows, ""),
         "fig5c_sweep": (
@@ -306,6 +318,7 @@ def study_tables(paper: dict) -> dict:
 STUDY_TABLES = (
     "table4", "table5", "table6", "allocation", "probe_layers", "frontier", "frontier_pairs", "fig5c_sweep",
     "smol_testbed", "smol_outliers", "smol_rtn_cost", "claims", "smol_costs", "layer_nmse",
+    "rope_objective",
 )  # fmt: skip
 
 

@@ -351,3 +351,28 @@ def test_layer_nmse_counts_each_methods_lowest_layers_and_draws(tmp_path):
     assert (rtn[6], quarot[6], ours[6], c2[6]) == ("3 of 3", "2 of 3", "—", "—")
     written = layer_nmse.fig_layer_nmse(records, tmp_path, "layers")
     assert [p.name for p in written] == ["layers.png", "layers.pdf"]
+
+
+def test_rope_objective_rows_set_each_quantmla_fit_beside_quarot():
+    from analysis import rope_objective
+
+    def record(precision, method, layers, objective=None, experiment="smol_table1"):
+        cal = {"rope_objective": objective} if objective else {}
+        return {
+            "experiment": experiment,
+            "config": {"model": {"name": "smol_mla"}, "precision": {"name": precision},
+                       "method": {"name": method, "calibration": cal}, "eval": {"kind": "perplexity"}},
+            "metrics": {"ppl/wikitext2": 20.0 + layers[0], "ppl/c4": 23.0, "nmse/attn_mean": float(np.mean(layers)),
+                        "nmse/attn_layers": layers},
+        }  # fmt: skip
+
+    rows = rope_objective.rope_objective_rows([
+        record("c16r4", "quarot", [2.0, 2.0, 2.0], experiment="smol_path_split"),
+        record("c16r4", "quantmla", [3.0, 1.0, 3.0], experiment="smol_path_split"),
+        record("c16r4", "quantmla", [1.0, 1.0, 3.0], "output", experiment="smol_rope_objective"),
+        record("c16r4", "quantmla", [0.0, 0.0, 0.0], experiment="elsewhere"),  # not these experiments
+    ])  # fmt: skip
+    c16 = rows[1:4]
+    assert [r[5] for r in c16] == ["—", "1 of 3", "2 of 3"]
+    assert c16[2][2] == "21.000" and c16[1][4] == f"{7 / 3:.3e}"
+    assert rows[4][2:] == ["—"] * 4  # C4R4's QuaRot†: no record

@@ -1,0 +1,54 @@
+"""QuantMLA's RoPE path fitted to its QK-score target (the paper's) or to the attention output
+(`method.calibration.rope_objective=output`), beside QuaRot†'s online Hadamard, on the SmolLM2-MLA
+perplexity records (`python -m analysis.tables rope_objective`; campaign jobs 15, 28, 30)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+EXPERIMENTS = ("smol_table1", "smol_path_split", "smol_rope_objective")
+PRECISIONS = ("c16r4", "c4r4", "c2r4")
+ROWS = (
+    ("quarot", "qk", "QuaRot† (online Hadamard)"),
+    ("quantmla", "qk", "QuantMLA, RoPE fitted to the QK scores (paper)"),
+    ("quantmla", "output", "QuantMLA, RoPE fitted to the attention output"),
+)
+
+
+def _variant(record: dict) -> tuple[str, str, str]:
+    c = record["config"]
+    objective = (c["method"].get("calibration") or {}).get("rope_objective", "qk")
+    return c["precision"]["name"], c["method"]["name"], objective
+
+
+def rope_objective_rows(records: list[dict]) -> list[list[str]]:
+    cells: dict[tuple, tuple[str, dict]] = {}
+    for r in records:
+        c = r["config"]
+        if r.get("experiment") not in EXPERIMENTS or c["model"]["name"] != "smol_mla":
+            continue
+        if c["eval"]["kind"] != "perplexity" or "nmse/attn_layers" not in r["metrics"]:
+            continue
+        key = _variant(r)
+        if key not in cells or r.get("created", "") >= cells[key][0]:
+            cells[key] = (r.get("created", ""), r["metrics"])
+    header = ["precision", "cache", "WikiText-2 ppl", "C4 ppl", "attn-output NMSE",
+              "layers below QuaRot†"]  # fmt: skip
+    rows = [header]
+    for precision in PRECISIONS:
+        reference = cells.get((precision, "quarot", "qk"))
+        for method, objective, label in ROWS:
+            found = cells.get((precision, method, objective))
+            if found is None:
+                rows.append([precision.upper(), label, "—", "—", "—", "—"])
+                continue
+            m = found[1]
+            below = "—"
+            if reference is not None and method != "quarot":
+                ours, theirs = (np.asarray(x["nmse/attn_layers"]) for x in (m, reference[1]))
+                below = f"{int((ours < theirs).sum())} of {len(ours)}"
+            rows.append([
+                precision.upper(), label, f"{m['ppl/wikitext2']:.3f}", f"{m['ppl/c4']:.3f}",
+                f"{m['nmse/attn_mean']:.3e}", below,
+            ])  # fmt: skip
+    return rows
