@@ -210,3 +210,29 @@ def test_the_output_rope_objective_fits_only_the_rope_units_differently(ctx, c2r
     save_artifact(dataclasses.replace(c2r4_fit, metadata=metadata({})), tmp_path / "qk.safetensors")
     units = saved_units(tmp_path, metadata({"rope_objective": "output"}), [C2R4, C2R4])
     assert set(units) == {(0, "content"), (1, "content")}
+
+
+@needs_tiny
+def test_a_fits_captured_activations_are_freed_before_the_evaluation(tmp_path, monkeypatch):
+    """Once the fit is done no calibration context (captured inputs, kept teacher outputs) is
+    alive: the evaluation runs without the calibration's memory."""
+    import gc
+
+    from quantmla.calibration.context import CalibrationContext
+    from quantmla.methods import prepare as method_prepare
+    from quantmla.run import run
+
+    alive = []
+    build = method_prepare.prepare_method
+
+    def watched(*args, **kwargs):
+        result = build(*args, **kwargs)
+        alive.append(sum(isinstance(o, CalibrationContext) for o in gc.get_objects()))
+        return result
+
+    monkeypatch.setattr(method_prepare, "prepare_method", watched)
+    small = ["method=quantmla", "method.calibration.n_calibration=4", "method.calibration.n_heldout=2",
+             "method.calibration.seqlen=64", "method.calibration.steps=2", "method.calibration.select_every=1",
+             "method.calibration.alphas=[0.0]", "model.eval_seqlen=256", "precision=c4r4"]  # fmt: skip
+    run(run_config(*tiny_job(tmp_path, *small)))
+    assert alive == [0]

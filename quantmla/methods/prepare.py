@@ -8,6 +8,7 @@ unquantized, unfused model.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import time
@@ -124,6 +125,11 @@ def prepare_method(
         resume_path=path.parent / "resume" / f"{path.stem}.ckpt", fixed=units,
     )  # fmt: skip
     result = method.build(job)
+    # the captured inputs and kept teacher outputs (GBs: 11 on SmolLM2-MLA) go before the model is
+    # evaluated; the fit's Lightning objects hold them in reference cycles, which only a
+    # collection frees (a job that kept them ran out of memory beside a paused RULER job)
+    del job, ctx, store
+    gc.collect()
     if result.report is not None:  # where a calibration's time goes
         result.report["seconds_capture"] = captured
     result.metadata = expected
