@@ -136,7 +136,7 @@ JOBS = (
     # C4R4 and C2R4 then take them and the default fits' content units (nothing fitted)
     Job("RoPE fitted to the output", "whether QuantMLA's RoPE path closes its gap to QuaRot†'s "
         "Hadamard when fitted to the attention output instead of the QK scores",
-        "~1 h: one RoPE fit (a content fit's cost), then 3 min a cell",
+        "~25 min: one RoPE fit, then 2 min a cell",
         ("experiment=smol_table1", "experiment_name=smol_rope_objective", "method=quantmla",
          "precision=c16r4,c4r4,c2r4", "method.calibration.rope_objective=output")),
 )  # fmt: skip
