@@ -63,6 +63,26 @@ def ctx():
     return CalibrationContext(model, adapter, modules, store, torch.arange(4), torch.arange(4, 6))
 
 
+@contextlib.contextmanager
+def fit_stopped_at(monkeypatch, step: int):
+    """A QuantMLA fit run inside stops after `step` (as a killed job would, its state saved)."""
+    from quantmla.calibration.module import QuantMLACalibration
+
+    original = QuantMLACalibration.on_train_batch_end
+
+    def stopping(self, outputs, batch, batch_idx):
+        original(self, outputs, batch, batch_idx)
+        if self.global_step == step:
+            raise RuntimeError("stopped (as a killed job would)")
+
+    monkeypatch.setattr(QuantMLACalibration, "on_train_batch_end", stopping)
+    try:
+        with pytest.raises(RuntimeError, match="stopped"):
+            yield
+    finally:
+        monkeypatch.setattr(QuantMLACalibration, "on_train_batch_end", original)
+
+
 def compose_run(*overrides, hydra: bool = False):
     """The composed app config (as `python -m quantmla.run` builds it) for `overrides`."""
     from hydra import compose, initialize_config_dir

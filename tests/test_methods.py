@@ -28,6 +28,7 @@ from quantmla.models.adapters import get_adapter
 from quantmla.simulator import layer_patch
 from quantmla.spec import QuantizerSpec
 from quantmla.transforms import ContentTransform, LayerTransforms, RopeTransform
+from tests.conftest import fit_stopped_at
 
 C4R4 = QuantizerSpec.from_precision("c4r4")
 
@@ -253,18 +254,9 @@ def test_a_stopped_calibration_resumes_where_it_stopped(ctx, tmp_path, monkeypat
     whole = quantmla(job())
     assert 0 < whole.report["seconds_selection"] < whole.report["seconds_fit"]  # where time goes
     resume = tmp_path / "fit.ckpt"
-    stop_at = QuantMLACalibration.on_train_batch_end
-
-    def stopping(self, outputs, batch, batch_idx):
-        stop_at(self, outputs, batch, batch_idx)
-        if self.global_step == 3:
-            raise RuntimeError("stopped (as a killed job would)")
-
-    monkeypatch.setattr(QuantMLACalibration, "on_train_batch_end", stopping)
-    with pytest.raises(RuntimeError, match="stopped"):
+    with fit_stopped_at(monkeypatch, 3):
         quantmla(job(resume))
     assert resume.is_file()
-    monkeypatch.setattr(QuantMLACalibration, "on_train_batch_end", stop_at)
 
     def searched_again(*args, **kwargs):
         raise AssertionError("a resumed fit searched for its start again")

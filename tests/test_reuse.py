@@ -14,7 +14,7 @@ from quantmla.methods.quantmla_method import quantmla
 from quantmla.methods.reuse import Unit, assemble, needed_units, saved_units
 from quantmla.methods.smoothquant import smoothquant
 from quantmla.spec import QuantizerSpec
-from tests.conftest import needs_tiny, run_config, tiny_job
+from tests.conftest import fit_stopped_at, needs_tiny, run_config, tiny_job
 
 C2R4, C2R16, C16R4, C4R4 = (QuantizerSpec.from_precision(p) for p in ("c2r4", "c2r16", "c16r4", "c4r4"))  # fmt: skip
 CAL = CalibrationConfig(steps=4, select_every=2, batch_size=2, alphas=[0.0, 0.5, 1.0])
@@ -150,8 +150,6 @@ def test_a_stopped_fit_with_held_units_resumes_to_the_same_transforms(
 ):
     """The saved state leaves the held units out (the rerun job brings them again): a stopped
     partial fit resumes to the uninterrupted one's transforms and selections."""
-    from quantmla.calibration.module import QuantMLACalibration
-
     held = {
         (i, "rope"): Unit(t.rope, "a.safetensors", 0.5, 2) for i, t in enumerate(c2r4_fit.layers)
     }
@@ -161,17 +159,8 @@ def test_a_stopped_fit_with_held_units_resumes_to_the_same_transforms(
         return MethodJob(ctx.modules, C2R4, cal, ctx, seed=0, resume_path=resume, fixed=held)
 
     whole = quantmla(job())
-    stop_at = QuantMLACalibration.on_train_batch_end
-
-    def stopping(self, outputs, batch, batch_idx):
-        stop_at(self, outputs, batch, batch_idx)
-        if self.global_step == 3:
-            raise RuntimeError("stopped")
-
-    monkeypatch.setattr(QuantMLACalibration, "on_train_batch_end", stopping)
-    with pytest.raises(RuntimeError, match="stopped"):
+    with fit_stopped_at(monkeypatch, 3):
         quantmla(job(tmp_path / "fit.ckpt"))
-    monkeypatch.setattr(QuantMLACalibration, "on_train_batch_end", stop_at)
     resumed = quantmla(job(tmp_path / "fit.ckpt"))
     assert resumed.report["resumed_at_step"] == 2
     assert resumed.report["best_step"] == whole.report["best_step"]
