@@ -211,12 +211,15 @@ def test_a_fits_captured_activations_are_freed_before_the_evaluation(tmp_path, m
     from quantmla.methods import prepare as method_prepare
     from quantmla.run import run
 
-    alive = []
+    def contexts() -> set[int]:
+        return {id(o) for o in gc.get_objects() if isinstance(o, CalibrationContext)}
+
+    before, alive = contexts(), []  # other tests' (module fixtures) stay alive
     build = method_prepare.prepare_method
 
     def watched(*args, **kwargs):
         result = build(*args, **kwargs)
-        alive.append(sum(isinstance(o, CalibrationContext) for o in gc.get_objects()))
+        alive.append(len(contexts() - before))
         return result
 
     monkeypatch.setattr(method_prepare, "prepare_method", watched)
