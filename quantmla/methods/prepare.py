@@ -99,12 +99,11 @@ def prepare_method(
         print(f"[quantmla] loading {method.name} artifact {path}")
         return load_artifact(path, expected)
     units = saved_units(path.parent, expected, specs) if cal.reuse_units else {}
+    needed = needed_units(specs)
     if units:
         sources = ", ".join(f"{len(u)} from {f}" for f, u in reuse_report(units).items())
-        print(
-            f"[quantmla] {len(units)} of {len(needed_units(specs))} units fitted before: {sources}"
-        )
-    if units and units.keys() >= needed_units(specs).keys():  # nothing to fit (not saved again)
+        print(f"[quantmla] {len(units)} of {len(needed)} units fitted before: {sources}")
+    if units and units.keys() >= needed.keys():  # nothing to fit (not saved again)
         result = assemble(method.name, len(specs), units)
         result.metadata = expected
         return result
