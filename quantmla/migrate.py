@@ -3,7 +3,9 @@ code. Each record's config gains the fields added to the schemas since (at their
 reproduce the old behaviour: e.g. `model.fp8` only acts on FP8 checkpoints) and its `eval` block is
 narrowed to its kind's own fields (each `eval.kind` hashes only those, `quantmla.job`); its folder
 is renamed to the new hash, so finished jobs are found (and skipped) again. Idempotent; a record
-whose new key is already taken is left in place and reported, never overwritten."""
+whose new key is already taken is left in place and reported, never overwritten; records of other
+entry points (their config without a `method`, e.g. experiments/smol_mla_reference.py) are left
+alone."""
 
 from __future__ import annotations
 
@@ -33,10 +35,13 @@ def migrate(results_dir: Path, dry_run: bool = False) -> dict[str, int]:
 
     defaults = OmegaConf.to_container(OmegaConf.structured(RunConfig), resolve=True)
 
-    counts = {"moved": 0, "current": 0, "conflict": 0, "unreadable": 0}
+    counts = {"moved": 0, "current": 0, "conflict": 0, "unreadable": 0, "not run records": 0}
     for path in sorted(results_dir.glob("*/*/result.json")):
         try:
             record = json.loads(path.read_text())
+            if "method" not in record["config"]:  # another entry point's schema: not ours to re-key
+                counts["not run records"] += 1
+                continue
             config = record_config(with_new_fields(record["config"], defaults))
         except (ValueError, KeyError) as err:
             print(f"[migrate] skipped {path}: {err}", file=sys.stderr)

@@ -142,11 +142,15 @@ def test_a_kind_sees_only_its_own_eval_fields(tmp_path):
 @needs_tiny
 def test_migration_rekeys_a_store_written_before_per_kind_hashes(tmp_path):
     """The fixture store was written by the previous commit's code (full eval block hashed): after
-    `python -m quantmla.migrate`, today's run of the same job finds its record and skips it."""
+    `python -m quantmla.migrate`, today's run of the same job finds its record and skips it; another
+    entry point's record (no `method` in its config) is left as it was."""
     from quantmla.run import run
 
     store = tmp_path / "store"
     shutil.copytree(FIXTURE_STORE, store)
+    foreign = store / "reference" / "abc" / "result.json"
+    foreign.parent.mkdir(parents=True)
+    foreign.write_text('{"config": {"eval": {"kind": "outliers"}, "precision": "bf16"}}')
     old = sorted(p.parent.name for p in store.glob("fixture/*/result.json"))
     proc = subprocess.run(
         [sys.executable, "-m", "quantmla.migrate", str(store)],
@@ -155,7 +159,8 @@ def test_migration_rekeys_a_store_written_before_per_kind_hashes(tmp_path):
         text=True,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "2 moved" in proc.stdout
+    assert "2 moved" in proc.stdout and "1 not run records" in proc.stdout
+    assert foreign.read_text().startswith('{"config": {"eval"')
     new = sorted(p.parent.name for p in store.glob("fixture/*/result.json"))
     assert len(new) == 2 and not set(new) & set(old)
     again = subprocess.run(
