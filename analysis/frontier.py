@@ -43,8 +43,20 @@ class Point:
         return self.cache.startswith("mixed")
 
 
+def _narrower(own: list[str], union: set[str]) -> str:
+    """A mixed record's label suffix when it chose among fewer candidates than the others."""
+    left_out = sorted(union - set(own))
+    if not left_out:
+        return ""
+    return f", without {' '.join(left_out)}" if len(left_out) <= 3 else f", {len(own)} candidates"
+
+
 def points(records: list[dict]) -> list[Point]:
     out = []
+    union = {
+        c for r in records if r["config"]["precision"].get("name") == "mixed"
+        for c in r["metrics"].get("allocation/candidates", ())
+    }  # fmt: skip
     for r in records:
         cfg, m = r["config"], r["metrics"]
         if cfg["eval"]["kind"] != "perplexity" or "cache/bytes_per_token" not in m:
@@ -55,6 +67,8 @@ def points(records: list[dict]) -> list[Point]:
         layers = tuple(m["allocation/precisions"]) if mixed else ()
         model = p.get("allocation_error", "response")  # records before the field: response
         joint = f", joint {p['joint_top']}" if p.get("joint_top", 1) > 1 else ""
+        if mixed:
+            joint += _narrower(m["allocation/candidates"], union)
         out.append(
             Point(
                 cfg["method"]["name"],

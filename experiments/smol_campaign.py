@@ -35,6 +35,12 @@ class Job(NamedTuple):
 FEWSHOT = ("experiment=smol_table1", "eval=commonsense_fewshot", "eval.limit=100")
 SUITE = ("experiment=smol_table1", "eval=table1_suite")
 GRID = ("precision=bf16,c4r4,c2r4", "method=quantmla,rtn,quarot,smoothquant")
+# smol_frontier's candidates less the 1-bit latents: job 3's sixteen best allocations under the
+# R × NMSE predictor all took some, and all lost to uniform C2R4 (docs/frontier.md)
+NO_1BIT = (
+    "precision.candidates=[c2r2,c2r3,c2r4,c3r3,c3r4,c4r3,c4r4,c4r8,c8r8,cnvfp4re4m3t,"
+    "cmxfp4rmxfp4,clm4r16,ce4m3r16,bf16]"
+)
 JOBS = (
     Job("path split", "why SmoothQuant† is ahead of QuaRot† (claims table)", "~1 h: 6 cells",
         ("experiment=smol_table1", "experiment_name=smol_path_split", "precision=c2r16,c16r4",
@@ -76,10 +82,11 @@ JOBS = (
         "~1 h fit + 30 min", (*FEWSHOT, "precision=c2r4", "method=quantmla")),
     Job("QuantMLA C4R4", "Table 1 twin's C4R4 QuantMLA row (C4R4 parity claim)", "57 min: 53 of it calibration",
         ("experiment=smol_table1", "precision=c4r4", "method=quantmla")),
-    Job("mixed QuantMLA at 120 B", "the issue-#23 target: mixed vs uniform QuantMLA C2R4 at 120 B",
+    Job("mixed QuantMLA at 120 B", "the issue-#23 target: mixed vs uniform QuantMLA C2R4 at 120 B, "
+        "no 1-bit latents (job 31 first: the same allocation under RTN)",
         "≤ 1.5 h: the check, a fit of the units no earlier fit holds (C2R4's INT2 latents and INT4 "
         "RoPE keys are held; run job 21 first for its MXFP4 ones); job 2's errors", ("experiment=smol_frontier", "method=quantmla", "precision=mixed",
-                       "precision.budget_bytes=120", "precision.allocation_method=rtn",
+                       "precision.budget_bytes=120", "precision.allocation_method=rtn", NO_1BIT,
                        "precision.joint_top=16", "method.calibration.seqlen=512")),
     Job("mixed RTN at the peers' bytes", "mixed allocations at C3R4's, MXFP4's, C4R4's, NVFP4's and "
         "the Lloyd-Max cache's bytes, each beside that format", "~25 min a budget (job 2's errors)",
@@ -139,6 +146,11 @@ JOBS = (
         "~25 min: one RoPE fit, then 2 min a cell",
         ("experiment=smol_table1", "experiment_name=smol_rope_objective", "method=quantmla",
          "precision=c16r4,c4r4,c2r4", "method.calibration.rope_objective=output")),
+    Job("mixed RTN at 120 B, no 1-bit latents", "whether a mixed RTN cache beats uniform C2R4 at its "
+        "bytes when no layer may take a 1-bit latent (job 3's sixteen all took some and lost)",
+        "~15 min: the check (job 2's errors, a subset of its candidates)",
+        ("experiment=smol_frontier", "precision=mixed", "precision.budget_bytes=120", NO_1BIT,
+         "precision.joint_top=16")),
 )  # fmt: skip
 
 

@@ -367,8 +367,9 @@ def measure_candidates(job, model, adapter, modules, tokenizer) -> Measured:
 class SavedErrors:
     """The candidates' measured errors without transforms (RTN, or `allocation_method=rtn`: ~45
     min on SmolLM2-MLA) kept as `<artifacts>/allocation/<metadata hash>.json`, so the jobs
-    that differ only in budget, joint check or the method fitted afterwards measure them once.
-    The metadata pins what they depend on: weights, model, candidate quantizers, protection, the
+    that differ only in budget, joint check, the method fitted afterwards or a subset of the
+    candidates (each candidate's errors are measured on their own) measure them once. The
+    metadata pins what they depend on: weights, model, candidate quantizers, protection, the
     windows' token ids and the measuring code's version."""
 
     VERSION = "1"  # bump when format_errors changes what it measures
@@ -390,15 +391,26 @@ class SavedErrors:
         self.path = job.paths.artifacts_dir / "allocation" / name
 
     def load(self) -> dict[str, np.ndarray] | None:
+        """This job's candidates' errors from its own file, else from a file measured over a
+        superset of them (their columns, in this job's order); `self.path` names the file read."""
         import json
 
-        if not self.path.is_file():
-            return None
-        saved = json.loads(self.path.read_text())
-        if saved.get("metadata") != self.metadata:
-            return None
-        print(f"[quantmla] mixed: the candidates' errors loaded from {self.path}")
-        return {key: np.asarray(saved["errors"][key]) for key in ERROR_KEYS}
+        wanted = self.metadata["candidates"]
+        rest = {k: v for k, v in self.metadata.items() if k != "candidates"}
+        others = sorted(p for p in self.path.parent.glob("*.json") if p != self.path)
+        for path in [self.path, *others]:
+            if not path.is_file():
+                continue
+            saved = json.loads(path.read_text())
+            meta = dict(saved.get("metadata", {}))
+            measured = meta.pop("candidates", [])
+            if meta != rest or not set(wanted) <= set(measured):
+                continue
+            columns = [measured.index(key) for key in wanted]
+            self.path = path
+            print(f"[quantmla] mixed: the candidates' errors loaded from {path}")
+            return {key: np.asarray(saved["errors"][key])[:, columns] for key in ERROR_KEYS}
+        return None
 
     def save(self, errors: dict[str, np.ndarray]) -> None:
         from quantmla.tracking.store import write_atomic

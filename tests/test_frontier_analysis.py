@@ -107,6 +107,11 @@ def test_pairs_and_rank_agreement():
     joint = record("mixed", nll=(1.0, 1.2, 0.8), layers=["c4r4", "c2r4"], budget=152)
     joint["config"]["precision"]["joint_top"] = 16
     assert "mixed@152 (R × NMSE, joint 16)" in {p.cache for p in frontier.points([joint])}
+    # one chosen among fewer candidates says which it could not take
+    narrow = record("mixed", nll=(1.0, 1.2, 0.8), layers=["c4r4", "c4r4"], budget=152)
+    narrow["metrics"]["allocation/candidates"] = ["c4r4", "bf16"]
+    labels = {p.cache for p in frontier.points([RECORDS[-1], narrow])}
+    assert labels == {"mixed@152 (R × NMSE)", "mixed@152 (R × NMSE, without c2r4)"}
     assert rows[-1][2] == "Spearman 1.000" and rows[-1][3] == "3 caches"
 
 

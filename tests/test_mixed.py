@@ -164,6 +164,12 @@ def test_errors_without_transforms_are_measured_once_for_every_budget(
         assert second[f"allocation/{key}"] == first[f"allocation/{key}"]
     allocation(where, "precision.candidates=[c2r4,c3r4,c4r4]")  # other quantizers: measured
     assert len(calls) == 2 and len(list((tmp_path / "allocation").glob("*.json"))) == 2
+    # a subset of measured candidates, in another order: their columns, nothing measured
+    subset = allocation(where, "precision.candidates=[c4r4,c3r4]", "precision.budget_bytes=128")
+    assert len(calls) == 2 and len(list((tmp_path / "allocation").glob("*.json"))) == 2
+    wider = allocation(where, "precision.candidates=[c2r4,c3r4,c4r4]")
+    for key in mixed.ERROR_KEYS:
+        assert subset[f"allocation/{key}"] == [row[::-1][:2] for row in wider[f"allocation/{key}"]]
 
 
 @needs_tiny
