@@ -151,6 +151,11 @@ JOBS = (
         "~15 min: the check (job 2's errors, a subset of its candidates)",
         ("experiment=smol_frontier", "precision=mixed", "precision.budget_bytes=120", NO_1BIT,
          "precision.joint_top=16")),
+    Job("mixed RTN at 120 B, output model", "job 31 with each layer's measured output NMSE as the "
+        "error model instead of R × cache NMSE (job 31's sixteen moved RoPE keys to 3 bits and lost)",
+        "~17 min: the check (job 2's errors)",
+        ("experiment=smol_frontier", "precision=mixed", "precision.budget_bytes=120", NO_1BIT,
+         "precision.allocation_error=output", "precision.joint_top=16")),
 )  # fmt: skip
 
 
