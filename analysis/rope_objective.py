@@ -1,24 +1,32 @@
 """QuantMLA's RoPE path fitted to its QK-score target (the paper's) or to the attention output
-(`method.calibration.rope_objective=output`), beside QuaRot†'s online Hadamard, on the SmolLM2-MLA
-perplexity records (`python -m analysis.tables rope_objective`; campaign jobs 15, 28, 30)."""
+(`method.calibration.rope_objective=output`), or at the paper's 2,048 tokens, beside QuaRot†'s
+online Hadamard, on the SmolLM2-MLA perplexity records (`python -m analysis.tables
+rope_objective`; campaign jobs 15, 28, 30, 33)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-EXPERIMENTS = ("smol_table1", "smol_path_split", "smol_rope_objective")
+EXPERIMENTS = ("smol_table1", "smol_path_split", "smol_rope_objective", "smol_rope_seqlen")
 PRECISIONS = ("c16r4", "c4r4", "c2r4")
 ROWS = (
-    ("quarot", "qk", "QuaRot† (online Hadamard)"),
-    ("quantmla", "qk", "QuantMLA, RoPE fitted to the QK scores (paper)"),
-    ("quantmla", "output", "QuantMLA, RoPE fitted to the attention output"),
+    ("quarot", "qk", None, "QuaRot† (online Hadamard)"),
+    ("quantmla", "qk", 512, "QuantMLA, RoPE fitted to the QK scores (paper) on 512 tokens"),
+    ("quantmla", "output", 512, "QuantMLA, RoPE fitted to the attention output"),
+    ("quantmla", "qk", 2048, "QuantMLA, RoPE fitted to the QK scores on 2,048 tokens (32 + 8)"),
 )
 
 
-def _variant(record: dict) -> tuple[str, str, str]:
+def _variant(record: dict) -> tuple[str, str, str, int | None]:
     c = record["config"]
-    objective = (c["method"].get("calibration") or {}).get("rope_objective", "qk")
-    return c["precision"]["name"], c["method"]["name"], objective
+    calibration = c["method"].get("calibration") or {}
+    seqlen = calibration.get("seqlen") if c["method"]["name"] == "quantmla" else None
+    return (
+        c["precision"]["name"],
+        c["method"]["name"],
+        calibration.get("rope_objective", "qk"),
+        seqlen,
+    )
 
 
 def rope_objective_rows(records: list[dict]) -> list[list[str]]:
@@ -36,9 +44,9 @@ def rope_objective_rows(records: list[dict]) -> list[list[str]]:
               "layers below QuaRot†"]  # fmt: skip
     rows = [header]
     for precision in PRECISIONS:
-        reference = cells.get((precision, "quarot", "qk"))
-        for method, objective, label in ROWS:
-            found = cells.get((precision, method, objective))
+        reference = cells.get((precision, "quarot", "qk", None))
+        for method, objective, seqlen, label in ROWS:
+            found = cells.get((precision, method, objective, seqlen))
             if found is None:
                 rows.append([precision.upper(), label, "—", "—", "—", "—"])
                 continue

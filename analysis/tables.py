@@ -12,6 +12,7 @@ bold), "—" for a missing cell (never zero), and the paper's own numbers beside
     python -m analysis.tables smol_path_split    # the C2R4 baselines per path (issue #40)
     python -m analysis.tables layer_nmse --experiment smol_table1   # per-layer attention-output NMSE
     python -m analysis.tables rope_objective     # QuantMLA's RoPE path fitted to QK scores or output
+    python -m analysis.tables rope_positions     # the RoPE key's QK error by key position
     python -m analysis.tables claims             # the paper's claims on each testbed (issue #40)
 """
 
@@ -32,6 +33,7 @@ from analysis import (
     layer_nmse,
     probes,
     rope_objective,
+    rope_positions,
     sensitivity,
     testbed,
     throughput,
@@ -306,6 +308,7 @@ def study_tables(paper: dict) -> dict:
         "smol_rtn_cost": (testbed.rtn_cost_rows, "smol_rtn_cost"),
         "layer_nmse": (layer_nmse.layer_rows, "table1"),
         "rope_objective": (rope_objective.rope_objective_rows, ""),  # three experiments' records
+        "rope_positions": (rope_positions.rope_position_rows, "smol_rope_positions"),
         "claims": (claims.claims_rows, ""),  # every experiment's records
         "smol_costs": (costs.cost_rows, ""),
         "fig5c_sweep": (
@@ -318,7 +321,7 @@ def study_tables(paper: dict) -> dict:
 STUDY_TABLES = (
     "table4", "table5", "table6", "allocation", "probe_layers", "frontier", "frontier_pairs", "fig5c_sweep",
     "smol_testbed", "smol_outliers", "smol_rtn_cost", "claims", "smol_costs", "layer_nmse",
-    "rope_objective",
+    "rope_objective", "rope_positions",
 )  # fmt: skip
 
 

@@ -156,6 +156,22 @@ JOBS = (
         "~17 min: the check (job 2's errors)",
         ("experiment=smol_frontier", "precision=mixed", "precision.budget_bytes=120", NO_1BIT,
          "precision.allocation_error=output", "precision.joint_top=16")),
+    # QuantMLA's fitted RoPE angles lose their edge on keys past the 512 calibration positions
+    # (docs/results.md): the RoPE path fitted at the paper's 2,048 (32 + 8 sequences: the same
+    # tokens and memory as 128 + 32 of 512)
+    Job("RoPE fitted at 2,048", "whether QuantMLA's RoPE path closes its gap to QuaRot†'s Hadamard "
+        "when calibrated at the evaluation's length", "not measured: one RoPE fit, then 2 min",
+        ("experiment=smol_table1", "experiment_name=smol_rope_seqlen", "method=quantmla",
+         "precision=c16r4", "method.calibration.seqlen=2048", "method.calibration.n_calibration=32",
+         "method.calibration.n_heldout=8")),
+    Job("RoPE error by key position", "each method's RoPE-key QK error on keys inside and past the "
+        "512 calibration positions (C16R4; QuantMLA's and SmoothQuant†'s units are smol_table1's)",
+        "~2 min a cell: nothing fitted", ("experiment=smol_rope_positions",)),
+    Job("RoPE error by key position, fit at 2,048", "... and job 33's RoPE fit at 2,048",
+        "~2 min: job 33's units", ("experiment=smol_rope_positions", "method=quantmla",
+                                  "method.calibration.seqlen=2048",
+                                  "method.calibration.n_calibration=32",
+                                  "method.calibration.n_heldout=8")),
 )  # fmt: skip
 
 

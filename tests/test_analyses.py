@@ -356,8 +356,8 @@ def test_layer_nmse_counts_each_methods_lowest_layers_and_draws(tmp_path):
 def test_rope_objective_rows_set_each_quantmla_fit_beside_quarot():
     from analysis import rope_objective
 
-    def record(precision, method, layers, objective=None, experiment="smol_table1"):
-        cal = {"rope_objective": objective} if objective else {}
+    def record(precision, method, layers, objective=None, experiment="smol_table1", seqlen=512):
+        cal = {"seqlen": seqlen, **({"rope_objective": objective} if objective else {})}
         return {
             "experiment": experiment,
             "config": {"model": {"name": "smol_mla"}, "precision": {"name": precision},
@@ -371,8 +371,35 @@ def test_rope_objective_rows_set_each_quantmla_fit_beside_quarot():
         record("c16r4", "quantmla", [3.0, 1.0, 3.0], experiment="smol_path_split"),
         record("c16r4", "quantmla", [1.0, 1.0, 3.0], "output", experiment="smol_rope_objective"),
         record("c16r4", "quantmla", [0.0, 0.0, 0.0], experiment="elsewhere"),  # not these experiments
+        record("c16r4", "quantmla", [1.0, 3.0, 1.0], experiment="smol_rope_seqlen", seqlen=2048),
     ])  # fmt: skip
-    c16 = rows[1:4]
-    assert [r[5] for r in c16] == ["—", "1 of 3", "2 of 3"]
+    c16 = rows[1:5]
+    assert [r[5] for r in c16] == ["—", "1 of 3", "2 of 3", "2 of 3"]
     assert c16[2][2] == "21.000" and c16[1][4] == f"{7 / 3:.3e}"
-    assert rows[4][2:] == ["—"] * 4  # C4R4's QuaRot†: no record
+    assert rows[5][2:] == ["—"] * 4  # C4R4's QuaRot†: no record
+
+
+def test_rope_position_rows_count_layers_below_quarot_per_key_range():
+    from analysis import rope_positions
+
+    def record(method, errors, seqlen=None):
+        cal = {"seqlen": seqlen} if seqlen else {}
+        return {
+            "config": {"precision": {"name": "c16r4"}, "method": {"name": method, "calibration": cal},
+                       "eval": {"kind": "rope_positions"}},
+            "metrics": {"rope_positions/edges": [0, 2, 4], "rope_positions/qk_error": errors},
+        }  # fmt: skip
+
+    rows = rope_positions.rope_position_rows([
+        record("quantmla", [[1.0, 4.0], [1.0, 2.0]], seqlen=512),
+        record("quarot", [[2.0, 2.0], [2.0, 3.0]]),
+        record("rtn", [[5.0, 5.0], [5.0, 5.0]]),
+    ])  # fmt: skip
+    assert rows[0] == ["precision", "cache", "keys 0–1", "keys 2–3"]
+    assert [r[1] for r in rows[1:]] == [
+        "RTN", "QuaRot† (online Hadamard)", "QuantMLA (fitted on 512-token sequences)",
+    ]  # fmt: skip
+    assert rows[3][2:] == ["1.000e+00 (2 of 2 below QuaRot†)", "3.000e+00 (1 of 2 below QuaRot†)"]
+    assert rows[2][2:] == ["2.000e+00", "2.500e+00"] and rows[1][3].endswith(
+        "(0 of 2 below QuaRot†)"
+    )

@@ -82,6 +82,7 @@ KIND_PRESETS = {
     "retrieval": ["eval=retrieval"],
     "sensitivity": ["eval=sensitivity"],
     "probes": ["eval=probes"],
+    "rope_positions": ["eval=rope_positions"],
     "latency": ["eval=latency"],
     "throughput": ["eval=throughput"],
 }

@@ -134,6 +134,13 @@ EVALUATORS: dict[str, Evaluator] = {
             "quantmla.evaluation.studies.layer_study:check",
         ),
         Evaluator(
+            "rope_positions",
+            "quantmla.evaluation.studies.rope_positions",
+            "the RoPE key's positional QK error by key position (calibrated angles past their range)",
+            STUDY_FIELDS,
+            "quantmla.evaluation.studies.layer_study:check",
+        ),
+        Evaluator(
             "latency",
             "quantmla.evaluation.latency",
             "decode latency of the packed-cache kernels (Fig. 5b; CUDA only)",
