@@ -13,8 +13,12 @@ def _label(config: dict) -> str:
     method = config["method"]["name"]
     if method != "quantmla":
         return LABELS.get(method, method)
-    seqlen = (config["method"].get("calibration") or {}).get("seqlen")
-    return f"QuantMLA (fitted on {seqlen:,}-token sequences)" if seqlen else "QuantMLA"
+    calibration = config["method"].get("calibration") or {}
+    seqlen, positions = calibration.get("seqlen"), calibration.get("rope_positions", 0)
+    if not seqlen:
+        return "QuantMLA"
+    moved = f" moved across 0–{positions - 1:,}" if positions else ""
+    return f"QuantMLA (fitted on {seqlen:,}-token sequences{moved})"
 
 
 def rope_position_rows(records: list[dict]) -> list[list[str]]:

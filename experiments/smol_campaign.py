@@ -172,6 +172,15 @@ JOBS = (
                                   "method.calibration.seqlen=2048",
                                   "method.calibration.n_calibration=32",
                                   "method.calibration.n_heldout=8")),
+    # the RoPE fit's positions moved instead (method.calibration.rope_positions, docs/method.md §4):
+    # C16R4 fits the 30 RoPE units on 512-token sequences, C4R4 and C2R4 then take them
+    Job("RoPE fitted on moved positions", "whether QuantMLA's RoPE path closes its gap to QuaRot† "
+        "when its 512-token sequences meet the phases of positions 0-2,047",
+        "not measured: one RoPE fit (~25 min), then 2 min a cell",
+        ("experiment=smol_table1", "experiment_name=smol_rope_moved", "method=quantmla",
+         "precision=c16r4,c4r4,c2r4", "method.calibration.rope_positions=2048")),
+    Job("RoPE error by key position, moved fit", "... and job 36's RoPE fit", "~2 min: job 36's units",
+        ("experiment=smol_rope_positions", "method=quantmla", "method.calibration.rope_positions=2048")),
 )  # fmt: skip
 
 

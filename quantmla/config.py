@@ -129,6 +129,13 @@ class CalibrationConfig:
         "(the paper's), output = the attention output with the RoPE path alone quantized (as "
         "the content path's; an extension)",
     )
+    rope_positions: int = opt(
+        0,
+        "QuantMLA's RoPE objective sees each calibration and held-out sequence moved to a seeded "
+        "start in [0, rope_positions - seqlen], so its fitted angles meet the key phases of every "
+        "position below rope_positions (e.g. the evaluation's length; an extension). 0: the "
+        "captured positions 0..seqlen-1 (the paper's)",
+    )
     reuse_units: bool = opt(
         True,
         "take each layer's content / RoPE transform an earlier artifact fitted at the same path "
@@ -301,7 +308,7 @@ FP8_MODES = ("native", "dequantize")
 ROPE_OBJECTIVES = ("qk", "output")
 # calibration fields added after records and artifacts existed: hashed (a record's config, an
 # artifact's fit settings) only off this default, so the earlier ones keep their keys
-CALIBRATION_HASH_NEUTRAL = {"rope_objective": "qk"}
+CALIBRATION_HASH_NEUTRAL = {"rope_objective": "qk", "rope_positions": 0}
 DATASETS = ("wikitext2", "c4")
 LOGGERS = ("wandb", "none")
 

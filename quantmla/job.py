@@ -121,6 +121,13 @@ def resolve(cfg) -> Job:
             "method.calibration.rope_objective", cfg.method.calibration.rope_objective,
             ROPE_OBJECTIVES,
         )  # fmt: skip
+    if calibrates and cfg.method.calibration.rope_positions:
+        seqlen = cfg.method.calibration.seqlen or cfg.model.eval_seqlen
+        if cfg.method.calibration.rope_positions < seqlen:
+            raise ConfigError(
+                "method.calibration.rope_positions", cfg.method.calibration.rope_positions,
+                f"0 (the captured positions) or at least the calibration seqlen ({seqlen})",
+            )  # fmt: skip
     if cfg.model.dtype not in DTYPES:
         raise ConfigError("model.dtype", cfg.model.dtype, DTYPES)
     if cfg.model.fp8 not in FP8_MODES:

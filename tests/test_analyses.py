@@ -356,8 +356,11 @@ def test_layer_nmse_counts_each_methods_lowest_layers_and_draws(tmp_path):
 def test_rope_objective_rows_set_each_quantmla_fit_beside_quarot():
     from analysis import rope_objective
 
-    def record(precision, method, layers, objective=None, experiment="smol_table1", seqlen=512):
+    def record(
+        precision, method, layers, objective=None, experiment="smol_table1", seqlen=512, moved=0
+    ):
         cal = {"seqlen": seqlen, **({"rope_objective": objective} if objective else {})}
+        cal |= {"rope_positions": moved} if moved else {}
         return {
             "experiment": experiment,
             "config": {"model": {"name": "smol_mla"}, "precision": {"name": precision},
@@ -372,11 +375,12 @@ def test_rope_objective_rows_set_each_quantmla_fit_beside_quarot():
         record("c16r4", "quantmla", [1.0, 1.0, 3.0], "output", experiment="smol_rope_objective"),
         record("c16r4", "quantmla", [0.0, 0.0, 0.0], experiment="elsewhere"),  # not these experiments
         record("c16r4", "quantmla", [1.0, 3.0, 1.0], experiment="smol_rope_seqlen", seqlen=2048),
+        record("c16r4", "quantmla", [1.0, 1.0, 1.0], experiment="smol_rope_moved", moved=2048),
     ])  # fmt: skip
-    c16 = rows[1:5]
-    assert [r[5] for r in c16] == ["—", "1 of 3", "2 of 3", "2 of 3"]
+    c16 = rows[1:6]
+    assert [r[5] for r in c16] == ["—", "1 of 3", "2 of 3", "2 of 3", "3 of 3"]
     assert c16[2][2] == "21.000" and c16[1][4] == f"{7 / 3:.3e}"
-    assert rows[5][2:] == ["—"] * 4  # C4R4's QuaRot†: no record
+    assert rows[6][2:] == ["—"] * 4  # C4R4's QuaRot†: no record
 
 
 def test_rope_position_rows_count_layers_below_quarot_per_key_range():

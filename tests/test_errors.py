@@ -102,6 +102,18 @@ CASES = {
         ),
         "method.calibration.rope_objective='kl'",
     ),
+    "RoPE positions below the calibration length": (
+        lambda tmp: validate(
+            run_config(
+                **{
+                    "method.name": "quantmla",
+                    "method.calibration.seqlen": 512,
+                    "method.calibration.rope_positions": 300,
+                }
+            )  # fmt: skip
+        ),
+        "method.calibration.rope_positions=300",
+    ),
 }
 
 

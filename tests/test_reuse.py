@@ -228,3 +228,29 @@ def test_a_fits_captured_activations_are_freed_before_the_evaluation(tmp_path, m
              "method.calibration.alphas=[0.0]", "model.eval_seqlen=256", "precision=c4r4"]  # fmt: skip
     run(run_config(*tiny_job(tmp_path, *small)))
     assert alive == [0]
+
+
+def test_rope_positions_fits_only_the_rope_units_differently(ctx, c2r4_fit, tmp_path):
+    """`rope_positions` (the RoPE objective on sequences moved to seeded later starts) changes the
+    RoPE units only: the content units are the default fit's, bit for bit, and an artifact's
+    content units are taken for it, its RoPE units not."""
+    import json
+
+    from quantmla.calibration.module import rope_offsets
+
+    moved = dataclasses.replace(CAL, rope_positions=400)
+    offsets = rope_offsets(ctx, 400, seed=0)
+    assert offsets.shape == (6,) and offsets.min() >= 0 and offsets.max() <= 400 - 48
+    assert torch.equal(offsets, rope_offsets(ctx, 400, seed=0)) and rope_offsets(ctx, 0, 0) is None
+    fitted = quantmla(MethodJob(ctx.modules, C2R4, moved, ctx, seed=0))
+    for got, default in zip(fitted.layers, c2r4_fit.layers):
+        assert_same(got.content, default.content)
+        assert not torch.equal(got.rope.angles, default.rope.angles)
+
+    def metadata(settings):
+        return {"model": "m", "method": "quantmla", "seed": "0", "precision": "c2r4",
+                "quantizer": C2R4.key, "calibration": json.dumps(settings)}  # fmt: skip
+
+    save_artifact(dataclasses.replace(c2r4_fit, metadata=metadata({})), tmp_path / "a.safetensors")
+    units = saved_units(tmp_path, metadata({"rope_positions": 400}), [C2R4, C2R4])
+    assert set(units) == {(0, "content"), (1, "content")}

@@ -58,3 +58,47 @@ def test_record_equals_brute_force_on_the_layer_projections(tmp_path, method):
     expected = [float(error[a : a + 16].sum() / energy[a : a + 16].sum()) for a in (0, 16, 32, 48)]
     assert m["rope_positions/qk_error"][0] == pytest.approx(expected, rel=1e-9)
     assert all(x > 0 for x in expected)
+
+
+def small_context(config_fn):
+    from transformers import AutoModelForCausalLM
+
+    from quantmla.calibration.context import CalibrationContext
+    from quantmla.models.adapters import get_adapter
+    from quantmla.models.capture import capture_inputs
+
+    torch.manual_seed(0)
+    dims = dict(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=64)
+    model = AutoModelForCausalLM.from_config(config_fn(vocab_size=128, **dims)).eval()
+    adapter = get_adapter(model.config)
+    modules = adapter.attention_modules(model)
+    sequences = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    store = capture_inputs(model, modules, sequences, batch_size=2)
+    return CalibrationContext(model, adapter, modules, store, torch.arange(2), torch.arange(0))
+
+
+@pytest.mark.parametrize("family", ["v3_interleave", "v2"])
+def test_shifted_projections_are_those_of_the_later_positions(family):
+    """`rope_positions`' shift: each sequence's RoPE query and key as the model's own RoPE gives
+    them `offset` positions later (V3 with interleaved weights and half-split cache pairs; V2
+    interleaved throughout), every QK score unchanged."""
+    from quantmla.models.tiny import tiny_mla_config, tiny_mla_v2_config
+
+    ctx = small_context(tiny_mla_config if family == "v3_interleave" else tiny_mla_v2_config)
+    layer, offsets = 1, torch.tensor([7, 1000])
+    proj, _ = ctx.project(layer, torch.arange(2), teacher=False)
+    moved = ctx.shifted(layer, proj, offsets)
+    h = ctx.store.inputs[layer]
+    for i, start in enumerate(offsets.tolist()):
+        positions = torch.arange(start, start + h.shape[1])[None]
+        later = ctx.adapter.project(
+            ctx.modules[layer], h[i : i + 1], ctx.model.model.rotary_emb(h[i : i + 1], positions)
+        )
+        torch.testing.assert_close(moved.k_rot[i], later.k_rot[0], atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(moved.q_rot[i], later.q_rot[0], atol=2e-4, rtol=1e-4)
+    assert not torch.allclose(moved.k_rot, proj.k_rot, atol=1e-2)
+
+    def scores(p):
+        return p.q_rot @ p.k_rot[:, None].transpose(-1, -2)
+
+    torch.testing.assert_close(scores(moved), scores(proj), atol=1e-5, rtol=1e-5)

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from quantmla.calibration.objectives import layer_output
+from quantmla.errors import QuantMLAError
 from quantmla.models.adapters import MLAAdapter, MLAProjections
 from quantmla.models.capture import ActivationStore, map_position_embeddings
-from quantmla.transforms.core import pair_indices
+from quantmla.transforms.core import pair_indices, pair_matrix
 
 TEACHER_BLOCK = 4  # sequences per teacher forward when the outputs are kept
 
@@ -29,6 +30,7 @@ class CalibrationContext:
     # again) rather than recompute it at every step and selection (a fifth of a fit's step)
     keep_teacher: bool = False
     _teacher: dict = field(default_factory=dict, init=False, repr=False)  # layer → (outputs, kept)
+    _angles: dict = field(default_factory=dict, init=False, repr=False)  # layer → RoPE pair angles
 
     @property
     def device(self) -> torch.device:
@@ -74,6 +76,42 @@ class CalibrationContext:
                 self._teacher[layer] = (outputs, kept)
             outputs[rows], kept[rows] = y.cpu(), True
         return outputs[index].to(self.device)
+
+    @torch.no_grad()
+    def rope_angles(self, layer: int) -> torch.Tensor:
+        """Per cache pair, the angle RoPE turns it by from one position to the next, probed through
+        the adapter's own RoPE (so any family's layout and YaRN-style magnitudes are honoured):
+        rope_{t+1}(x) = rope_t(x) · pair_matrix(angles) for row vectors."""
+        module = self.modules[layer]
+        d, layout = module.qk_rope_head_dim, self.adapter.geometry(module).cache_pairs
+        dtype = module.o_proj.weight.dtype
+        basis = torch.eye(d, dtype=dtype, device=self.device)[:, None, None, :].expand(d, 1, 2, d)
+        pe = map_position_embeddings(
+            self.store.position_embeddings[layer], lambda p: p[:, :2].to(self.device)
+        )
+        _, k = self.adapter.rope(module, basis.clone(), basis.clone(), pe)
+        at = k.reshape(d, 2, d).double()  # row j at position p: rope_p(e_j)
+        step = torch.linalg.solve(at[:, 0], at[:, 1])  # M_0⁻¹ M_1
+        a, b = pair_indices(d, layout)
+        angles = torch.atan2(step[a, b], step[a, a])
+        if not torch.allclose(
+            pair_matrix(angles, torch.ones_like(angles), layout), step, atol=1e-4
+        ):
+            raise QuantMLAError(
+                f"layer {layer}: RoPE is not one rotation per {layout} pair of the cached key"
+            )
+        return angles
+
+    def shifted(self, layer: int, proj: MLAProjections, offsets: torch.Tensor) -> MLAProjections:
+        """`proj` with each sequence's RoPE query and key moved `offsets[i]` positions on: the same
+        scores (a rotation of both), the key in the phases it has there."""
+        if layer not in self._angles:
+            self._angles[layer] = self.rope_angles(layer)
+        angles, layout = self._angles[layer], self.adapter.geometry(self.modules[layer]).cache_pairs
+        turns = torch.stack([
+            pair_matrix(angles * float(s), torch.ones_like(angles), layout) for s in offsets
+        ]).to(proj.k_rot)  # fmt: skip
+        return replace(proj, q_rot=proj.q_rot @ turns[:, None], k_rot=proj.k_rot @ turns)
 
     @torch.no_grad()
     def channel_statistics(self, layer: int, quantile: float = 0.999, batch_size: int = 8):

@@ -5,7 +5,8 @@ identity at P = 0) and log s_C; per RoPE pair an angle θ_i and log s_i. Scales 
 exp(clip(log s, −2, 2)). Each step, every layer computes its two path-isolated objectives on the
 same batch of calibration sequences (content: normalised post-o_proj output MSE with RoPE exact;
 RoPE: normalised positional-QK error over all causal pairs and heads with content exact, or with
-`rope_objective=output` the output MSE with the RoPE path alone quantized), with a
+`rope_objective=output` the output MSE with the RoPE path alone quantized; with `rope_positions`
+each sequence's RoPE query and key moved to a seeded start position), with a
 straight-through estimator on rounding and no BF16 protection. Layers and paths share no
 parameters, so the summed loss trains them independently. Every `select_every` steps (and before
 the first) the held-out objectives pick the best checkpoint per layer and path.
@@ -72,6 +73,16 @@ class LayerParameters(nn.Module):
             )
 
 
+def rope_offsets(ctx: CalibrationContext, positions: int, seed: int) -> torch.Tensor | None:
+    """Per captured sequence, the seeded start its RoPE objective sees it at: uniform in
+    [0, positions − seqlen] (`rope_positions`); None when 0 (the captured positions)."""
+    if not positions:
+        return None
+    count, seqlen = ctx.store.inputs[0].shape[:2]
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, positions - seqlen + 1, (count,), generator=generator)
+
+
 class QuantMLACalibration(L.LightningModule):
     def __init__(
         self,
@@ -81,6 +92,7 @@ class QuantMLACalibration(L.LightningModule):
         calibration: CalibrationConfig,
         init_report: dict | None = None,  # how `init` was found (saved with the fit's state)
         fixed: dict | None = None,  # (layer, path) → `reuse.Unit`: taken as is, never computed
+        seed: int = 0,  # draws the RoPE objective's position offsets (`rope_positions`)
     ):
         super().__init__()
         self.ctx, self.spec, self.cal = ctx, spec, calibration
@@ -96,6 +108,7 @@ class QuantMLACalibration(L.LightningModule):
         ]
         self.history: list[dict] = []
         self.seconds_selection = 0.0  # of the fit's time, the held-out selections'
+        self.rope_offsets = rope_offsets(ctx, calibration.rope_positions, seed)
 
     # -- objectives ---------------------------------------------------------------------------
     def _layout(self, layer: int) -> str:
@@ -121,6 +134,8 @@ class QuantMLACalibration(L.LightningModule):
             module = self.ctx.modules[layer]
             content = nmse(layer_output(module, self.ctx.adapter, proj, c=c_hat), y)
         if fit_rope:
+            if self.rope_offsets is not None:
+                proj = self.ctx.shifted(layer, proj, self.rope_offsets[index])
             transform, layout = params.rope(), self._layout(layer)
             key = transform.key_matrix(layout).to(proj.k_rot)
             query = transform.query_matrix(layout).to(proj.k_rot)

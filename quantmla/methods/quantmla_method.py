@@ -80,7 +80,9 @@ def quantmla(job: MethodJob) -> MethodResult:
     L.seed_everything(job.seed, verbose=False)
     for p in ctx.model.parameters():
         p.requires_grad_(False)
-    module = QuantMLACalibration(ctx, init, job.spec, cal, init_report=init_report, fixed=job.fixed)
+    module = QuantMLACalibration(
+        ctx, init, job.spec, cal, init_report=init_report, fixed=job.fixed, seed=job.seed
+    )
     start = saved["global_step"] if saved else 0
     del saved
     if resume:

@@ -20,7 +20,7 @@ from quantmla.spec import PATHS, QuantizerSpec
 from quantmla.transforms import ContentTransform, LayerTransforms, RopeTransform
 
 PER_RUN = ("precision", "quantizer")  # artifact metadata a unit does not depend on
-PATH_SETTINGS = {"rope_objective": "rope"}  # fit settings that shape one path's units only
+PATH_SETTINGS = {"rope_objective": "rope", "rope_positions": "rope"}  # shape one path's units only
 
 
 @dataclass(frozen=True)
