@@ -83,15 +83,18 @@ JOBS = (
     Job("QuantMLA C4R4", "Table 1 twin's C4R4 QuantMLA row (C4R4 parity claim)", "57 min: 53 of it calibration",
         ("experiment=smol_table1", "precision=c4r4", "method=quantmla")),
     Job("mixed QuantMLA at 120 B", "the issue-#23 target: mixed vs uniform QuantMLA C2R4 at 120 B, "
-        "no 1-bit latents (job 31 first: the same allocation under RTN)",
+        "no 1-bit latents, the output error model (job 32 first: the same allocation under RTN, "
+        "at parity with uniform RTN C2R4)",
         "≤ 1.5 h: the check, a fit of the units no earlier fit holds (C2R4's INT2 latents and INT4 "
         "RoPE keys are held; run job 21 first for its MXFP4 ones); job 2's errors", ("experiment=smol_frontier", "method=quantmla", "precision=mixed",
                        "precision.budget_bytes=120", "precision.allocation_method=rtn", NO_1BIT,
-                       "precision.joint_top=16", "method.calibration.seqlen=512")),
+                       "precision.allocation_error=output", "precision.joint_top=16",
+                       "method.calibration.seqlen=512")),
     Job("mixed RTN at the peers' bytes", "mixed allocations at C3R4's, MXFP4's, C4R4's, NVFP4's and "
-        "the Lloyd-Max cache's bytes, each beside that format", "~25 min a budget (job 2's errors)",
+        "the Lloyd-Max cache's bytes, each beside that format (job 32's allocator: the output "
+        "error model, no 1-bit latents)", "~20 min a budget (job 2's errors)",
         ("experiment=smol_frontier", "precision=mixed", "precision.budget_bytes=152,170,184,208,258",
-         "precision.joint_top=16")),
+         NO_1BIT, "precision.allocation_error=output", "precision.joint_top=16")),
     Job("probes", "Tables 5 / 6, Fig. 7 on SmolLM2-MLA with γ transferred",
         "14 min a SmolLM2-MLA cell (30 layers), 1-2 min a tiny-mla-v2 cell: ~1.6 h",
         ("experiment=smol_table5_probes",)),
