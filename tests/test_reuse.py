@@ -174,7 +174,6 @@ def test_the_output_rope_objective_fits_only_the_rope_units_differently(ctx, c2r
     """`rope_objective=output` (the attention output with the RoPE path alone quantized) changes
     the RoPE units only: the content units are the QK-objective fit's, bit for bit, and are taken
     from its artifact; its RoPE units are not."""
-    import json
 
     from quantmla.calibration.module import QuantMLACalibration
     from quantmla.methods.smoothquant import heldout_output_nmse
@@ -187,17 +186,26 @@ def test_the_output_rope_objective_fits_only_the_rope_units_differently(ctx, c2r
     native = heldout_output_nmse(ctx, 1, C16R4, rope=identity, batch_size=len(ctx.heldout))
     assert native > 0
     assert float(rope) == pytest.approx(native, rel=1e-5)
-    fitted = quantmla(MethodJob(ctx.modules, C2R4, output, ctx, seed=0))
-    for got, qk in zip(fitted.layers, c2r4_fit.layers):
-        assert_same(got.content, qk.content)
-        assert not torch.equal(got.rope.scales, qk.rope.scales)
+    assert_rope_units_alone_differ(ctx, c2r4_fit, tmp_path, output, {"rope_objective": "output"})
 
-    def metadata(settings):
+
+def assert_rope_units_alone_differ(ctx, c2r4_fit, tmp_path, cal, settings):
+    """A fit under `cal` (a RoPE-path setting off its default, `settings` in an artifact's
+    metadata): its content units are the default fit's bit for bit, its RoPE units are not, and
+    of a default artifact it is given the content units alone."""
+    import json
+
+    fitted = quantmla(MethodJob(ctx.modules, C2R4, cal, ctx, seed=0))
+    for got, default in zip(fitted.layers, c2r4_fit.layers):
+        assert_same(got.content, default.content)
+        assert not torch.equal(got.rope.scales, default.rope.scales)
+
+    def metadata(fit_settings):
         return {"model": "m", "method": "quantmla", "seed": "0", "precision": "c2r4",
-                "quantizer": C2R4.key, "calibration": json.dumps(settings)}  # fmt: skip
+                "quantizer": C2R4.key, "calibration": json.dumps(fit_settings)}  # fmt: skip
 
-    save_artifact(dataclasses.replace(c2r4_fit, metadata=metadata({})), tmp_path / "qk.safetensors")
-    units = saved_units(tmp_path, metadata({"rope_objective": "output"}), [C2R4, C2R4])
+    save_artifact(dataclasses.replace(c2r4_fit, metadata=metadata({})), tmp_path / "a.safetensors")
+    units = saved_units(tmp_path, metadata(settings), [C2R4, C2R4])
     assert set(units) == {(0, "content"), (1, "content")}
 
 
@@ -234,7 +242,6 @@ def test_rope_positions_fits_only_the_rope_units_differently(ctx, c2r4_fit, tmp_
     """`rope_positions` (the RoPE objective on sequences moved to seeded later starts) changes the
     RoPE units only: the content units are the default fit's, bit for bit, and an artifact's
     content units are taken for it, its RoPE units not."""
-    import json
 
     from quantmla.calibration.module import rope_offsets
 
@@ -242,15 +249,4 @@ def test_rope_positions_fits_only_the_rope_units_differently(ctx, c2r4_fit, tmp_
     offsets = rope_offsets(ctx, 400, seed=0)
     assert offsets.shape == (6,) and offsets.min() >= 0 and offsets.max() <= 400 - 48
     assert torch.equal(offsets, rope_offsets(ctx, 400, seed=0)) and rope_offsets(ctx, 0, 0) is None
-    fitted = quantmla(MethodJob(ctx.modules, C2R4, moved, ctx, seed=0))
-    for got, default in zip(fitted.layers, c2r4_fit.layers):
-        assert_same(got.content, default.content)
-        assert not torch.equal(got.rope.angles, default.rope.angles)
-
-    def metadata(settings):
-        return {"model": "m", "method": "quantmla", "seed": "0", "precision": "c2r4",
-                "quantizer": C2R4.key, "calibration": json.dumps(settings)}  # fmt: skip
-
-    save_artifact(dataclasses.replace(c2r4_fit, metadata=metadata({})), tmp_path / "a.safetensors")
-    units = saved_units(tmp_path, metadata({"rope_positions": 400}), [C2R4, C2R4])
-    assert set(units) == {(0, "content"), (1, "content")}
+    assert_rope_units_alone_differ(ctx, c2r4_fit, tmp_path, moved, {"rope_positions": 400})
