@@ -307,7 +307,7 @@ def study_tables(paper: dict) -> dict:
         "smol_outliers": (testbed.outlier_rows, "smol_testbed"),
         "smol_rtn_cost": (testbed.rtn_cost_rows, "smol_rtn_cost"),
         "layer_nmse": (layer_nmse.layer_rows, "table1"),
-        "rope_objective": (rope_objective.rope_objective_rows, ""),  # three experiments' records
+        "rope_objective": (rope_objective.rope_objective_rows, ""),  # five experiments' records
         "rope_positions": (rope_positions.rope_position_rows, "smol_rope_positions"),
         "claims": (claims.claims_rows, ""),  # every experiment's records
         "smol_costs": (costs.cost_rows, ""),
