@@ -309,6 +309,13 @@ ROPE_OBJECTIVES = ("qk", "output")
 # calibration fields added after records and artifacts existed: hashed (a record's config, an
 # artifact's fit settings) only off this default, so the earlier ones keep their keys
 CALIBRATION_HASH_NEUTRAL = {"rope_objective": "qk", "rope_positions": 0}
+
+
+def calibration_seqlen(cfg) -> int:
+    """Tokens per calibration sequence: `method.calibration.seqlen`, else `model.eval_seqlen`."""
+    return cfg.method.calibration.seqlen or cfg.model.eval_seqlen
+
+
 DATASETS = ("wikitext2", "c4")
 LOGGERS = ("wandb", "none")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
-from quantmla.config import DTYPES, FP8_MODES, LOGGERS, ROPE_OBJECTIVES
+from quantmla.config import DTYPES, FP8_MODES, LOGGERS, ROPE_OBJECTIVES, calibration_seqlen
 from quantmla.errors import ConfigError, DataNotFoundError, NotImplementedYet
 from quantmla.paths import Paths, hub_offline, local_config_json
 from quantmla.policy import CachePolicy
@@ -122,7 +122,7 @@ def resolve(cfg) -> Job:
             ROPE_OBJECTIVES,
         )  # fmt: skip
     if calibrates and cfg.method.calibration.rope_positions:
-        seqlen = cfg.method.calibration.seqlen or cfg.model.eval_seqlen
+        seqlen = calibration_seqlen(cfg)
         if cfg.method.calibration.rope_positions < seqlen:
             raise ConfigError(
                 "method.calibration.rope_positions", cfg.method.calibration.rope_positions,

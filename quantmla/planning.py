@@ -58,6 +58,7 @@ def default_gpus(cfg) -> int | None:
 def plan_job(cfg, raw_config: dict, gpus_available: int | None) -> Plan:
     """The memory plan of one job: `cfg` the run config, `raw_config` its published config.json;
     `gpus_available` the launcher node's GPUs (None: what `model.device` asks for)."""
+    from quantmla.config import calibration_seqlen
     from quantmla.evaluation.registry import EVALUATORS
     from quantmla.models.loading import config_from_dict
     from quantmla.models.sizes import DTYPE_BYTES, is_fp8_checkpoint, mla_layer_count
@@ -78,7 +79,7 @@ def plan_job(cfg, raw_config: dict, gpus_available: int | None) -> Plan:
     d_nope, d_v = config.qk_nope_head_dim, config.v_head_dim
     lengths = list(getattr(ev, "context_lengths", []) or [])
     batch = getattr(ev, "batch_size", 1)  # sequences per whole-model forward (capture too)
-    if cfg.eval.kind in ("sensitivity", "probes"):  # a layer's study runs on the whole cell
+    if evaluator.layer_study:  # a layer's study runs on the whole cell
         tokens, cell = ev.seqlen, ev.n_sequences
     else:
         tokens, cell = max(lengths or [cfg.model.eval_seqlen]), batch
@@ -90,11 +91,11 @@ def plan_job(cfg, raw_config: dict, gpus_available: int | None) -> Plan:
     if cfg.eval.kind in ("lm_eval", "ruler", "retrieval"):  # generation: raw + dequantized copies
         kv = 2 * batch * tokens * layers * (d_c + d_r) * act
     capture = 0
-    if cfg.eval.kind in ("sensitivity", "probes"):
+    if evaluator.layer_study:
         capture = ev.n_sequences * ev.seqlen * hidden * act * layers
     cal = cfg.method.calibration
     if cal is not None and not cfg.method.artifact and not cal.store_dir:
-        seqlen = cal.seqlen or cfg.model.eval_seqlen
+        seqlen = calibration_seqlen(cfg)
         capture = max(capture, (cal.n_calibration + cal.n_heldout) * seqlen * hidden * act * layers)
     working = max(forward, attention)
     usable = (GPU_GB - RESERVE_GB) * GB

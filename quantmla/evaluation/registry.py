@@ -56,6 +56,9 @@ class Evaluator:
     needs_model: bool = True  # False: analytic, the model's config is enough
     needs_data: bool = True
     mixed: bool = False  # runs a mixed allocation (reads only each layer's own patch)
+    layer_study: bool = (
+        False  # one capture of `eval.n_sequences` × `eval.seqlen`, studied layer by layer
+    )
 
     @property
     def implemented(self) -> bool:
@@ -125,6 +128,7 @@ EVALUATORS: dict[str, Evaluator] = {
             "per-layer path sensitivity (Fig. 2/6, Table 4)",
             STUDY_FIELDS,
             "quantmla.evaluation.studies.layer_study:check",
+            layer_study=True,
         ),
         Evaluator(
             "probes",
@@ -132,6 +136,7 @@ EVALUATORS: dict[str, Evaluator] = {
             "Rademacher-probe operator analysis (Tables 5/6, Fig. 7)",
             (*STUDY_FIELDS, "probes", "probe_chunk", "interventions"),
             "quantmla.evaluation.studies.layer_study:check",
+            layer_study=True,
         ),
         Evaluator(
             "rope_positions",
@@ -139,6 +144,7 @@ EVALUATORS: dict[str, Evaluator] = {
             "the RoPE key's positional QK error by key position (calibrated angles past their range)",
             STUDY_FIELDS,
             "quantmla.evaluation.studies.layer_study:check",
+            layer_study=True,
         ),
         Evaluator(
             "latency",

@@ -16,7 +16,7 @@ import time
 import torch
 
 from quantmla.calibration.context import CalibrationContext
-from quantmla.config import CALIBRATION_HASH_NEUTRAL
+from quantmla.config import CALIBRATION_HASH_NEUTRAL, calibration_seqlen
 from quantmla.data import calibration_split, load_text, tokenize
 from quantmla.methods.base import ArtifactMismatchError, MethodJob, load_artifact, save_artifact
 from quantmla.methods.registry import METHODS
@@ -36,7 +36,7 @@ def calibration_sequences(cfg, paths, tokenizer) -> tuple[torch.Tensor, int]:
     cal = cfg.method.calibration
     ids = tokenize(load_text(cal.dataset, cal.split, paths.data_dir), tokenizer)
     split = calibration_split(
-        ids, cal.n_calibration, cal.n_heldout, cal.seqlen or cfg.model.eval_seqlen, cfg.seed
+        ids, cal.n_calibration, cal.n_heldout, calibration_seqlen(cfg), cfg.seed
     )
     return torch.cat([split.calibration, split.heldout]), split.calibration.shape[0]
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from quantmla.evaluation.studies.layer_study import run_study
+from quantmla.metrics import ENERGY_FLOOR
 from quantmla.quant import qdq_rope
 from quantmla.simulator import layer_patch
 
@@ -43,7 +44,7 @@ def position_errors(cell, spec, edges: list[int]) -> list[float]:
     error = per_key_scored(q, qdq_rope(spec, k) - k).sum(0)
     energy = per_key_scored(q, k).sum(0)
     return [
-        float(error[a:b].sum() / energy[a:b].sum().clamp_min(1e-30))
+        float(error[a:b].sum() / energy[a:b].sum().clamp_min(ENERGY_FLOOR))
         for a, b in zip(edges, edges[1:])
     ]
 
