@@ -9,6 +9,7 @@ from pathlib import Path
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 _PRECISION_ARG = re.compile(r"(\+{0,2})precision=([^()]+)")
+DEFAULT_PRECISION = "c4r4"  # conf/config.yaml's
 
 
 def _precision_presets() -> set[str]:
@@ -17,14 +18,17 @@ def _precision_presets() -> set[str]:
 
 def route_precision(argv: list[str]) -> list[str]:
     """`precision=c3r4` (no preset file) means `precision.name=c3r4`: every preset only names its
-    precision, so the two are the same job; the name is then validated in one line."""
+    precision, so the two are the same job; the name is then validated in one line. The group is
+    pinned to the default preset, so an experiment's own sweep over the group does not multiply
+    the job (it would run once and be skipped as a duplicate per swept preset)."""
     presets = _precision_presets()
     routed = []
     for arg in argv:
         match = _PRECISION_ARG.fullmatch(arg)
         if match and any(v not in presets for v in match.group(2).split(",")):
-            arg = f"precision.name={match.group(2)}"
-        routed.append(arg)
+            routed += [f"precision={DEFAULT_PRECISION}", f"precision.name={match.group(2)}"]
+        else:
+            routed.append(arg)
     return routed
 
 

@@ -10,10 +10,27 @@ import sys
 from quantmla.planning import GB, GPU_GB, NODE_GPUS, Plan, launcher_gpus, plan_job
 
 
-def sweep_overrides(params) -> list[list[str]]:
-    """Every job of a sweeper's params (their product); an empty sweep is one job."""
-    axes = [[f"{k}={v}" for v in str(values).split(",")] for k, values in (params or {}).items()]
-    return [list(job) for job in itertools.product(*axes)] or [[]]
+def sweep_axes(params, overrides: list[str]) -> dict[str, list[str]]:
+    """A multirun's axes as Hydra's basic sweeper reads them: the experiment's sweeper params, then
+    the command line's overrides (a key given there replaces the param's); key → its overrides."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    given = [f"{k}={v}" for k, v in (params or {}).items()] + list(overrides)
+    axes: dict[str, list[str]] = {}
+    for override in OverridesParser.create().parse_overrides(given):
+        key = override.get_key_element()
+        values = (
+            override.sweep_string_iterator()
+            if override.is_discrete_sweep()
+            else [override.get_value_element_as_str()]
+        )
+        axes[key] = [f"{key}={v}" for v in values]
+    return axes
+
+
+def sweep_jobs(params, overrides: list[str]) -> list[list[str]]:
+    """Every job of that multirun: the product of its axes."""
+    return [list(job) for job in itertools.product(*sweep_axes(params, overrides).values())]
 
 
 def format_plans(plans: list[Plan]) -> str:
@@ -46,11 +63,13 @@ def main(argv: list[str] | None = None) -> None:
     overrides = route_precision(list(sys.argv[1:] if argv is None else argv))
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            top = compose("config", overrides=overrides, return_hydra_config=True)
+            # the launcher and the sweeper's params, from the command line's single values
+            single = [v[0] for v in sweep_axes({}, overrides).values() if len(v) == 1]
+            top = compose("config", overrides=single, return_hydra_config=True)
             launcher, gpus = launcher_gpus(top.hydra)
             plans, seen = [], set()
-            for job in sweep_overrides(top.hydra.sweeper.get("params")):
-                cfg = OmegaConf.to_object(compose("config", overrides=[*overrides, *job]))
+            for job in sweep_jobs(top.hydra.sweeper.get("params"), overrides):
+                cfg = OmegaConf.to_object(compose("config", overrides=job))
                 paths = Paths.from_config(cfg.paths)
                 if not cfg.model.config:
                     raise QuantMLAError(

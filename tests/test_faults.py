@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from quantmla.cli import route_precision
+from quantmla.cli import DEFAULT_PRECISION, route_precision
 from quantmla.errors import ConfigError, QuantMLAError
 from quantmla.run import run
 from quantmla.tracking import store
@@ -160,12 +160,14 @@ def test_records_are_readable_by_the_group(tmp_path):
 
 
 def test_precision_without_a_preset_file_routes_to_its_name():
+    pinned = f"precision={DEFAULT_PRECISION}"  # an experiment's sweep over presets stays one job
     assert route_precision(["precision=c3r8", "method=rtn"]) == [
+        pinned,
         "precision.name=c3r8",
         "method=rtn",
     ]
     assert route_precision(["precision=c4r4,c2r4"]) == ["precision=c4r4,c2r4"]  # presets stay
-    assert route_precision(["precision=c4r4,c3r8"]) == ["precision.name=c4r4,c3r8"]
+    assert route_precision(["precision=c4r4,c3r8"]) == [pinned, "precision.name=c4r4,c3r8"]
     assert route_precision(["precision.sink=0"]) == ["precision.sink=0"]
 
 

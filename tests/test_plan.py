@@ -197,3 +197,38 @@ def test_gpu_check_job_runs_at_toy_size_on_cpu():
     """The GPU job's code path (random-init V2-Lite dims, C4R4, plan beside it) on CPU."""
     report = _gpu_check_module().perplexity_vs_plan("cpu", layers=2, seqlen=64, windows=2, batch=2)
     assert report["perplexity"] > 1 and report["plan_gpu_gb"] > report["plan_weights_gb"] > 0
+
+
+@pytest.mark.parametrize(
+    ("params", "overrides"),
+    [
+        ({"precision": "bf16,c2r4", "method": "quantmla,rtn"}, ["method=rtn"]),
+        ({"precision": "bf16,c2r4"}, ["precision=c4r4", "precision.name=c16r4"]),
+        ({"method": "quantmla,rtn"}, ["eval.limit=1,2", "precision.candidates=[c2r4,c4r4]"]),
+        ({}, ["experiment=smol_table1"]),
+    ],
+)
+def test_sweep_jobs_are_the_basic_sweepers(params, overrides):
+    """The planner's jobs are the ones Hydra's basic sweeper launches (the command line's keys
+    replace the experiment's sweep params; command-line sweeps multiply)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from quantmla.plan import sweep_jobs
+
+    given = [f"{k}={v}" for k, v in params.items()] + overrides
+    (reference,) = BasicSweeper.split_arguments(
+        OverridesParser.create().parse_overrides(given), None
+    )
+    assert sweep_jobs(params, overrides) == reference
+
+
+def test_a_precision_without_preset_does_not_multiply_an_experiments_sweep():
+    from quantmla.cli import route_precision
+    from quantmla.plan import sweep_jobs
+
+    swept = {"precision": "bf16,c2r4,c4r4", "method": "quantmla,rtn"}  # as smol_table1's
+    jobs = sweep_jobs(swept, route_precision(["precision=c16r4", "method=rtn"]))
+    assert len(jobs) == 1 and "precision.name=c16r4" in jobs[0]
+    rows = _plan("experiment=smol_table1", "precision=c16r4", "method=rtn")
+    assert list(rows) == ["job", "smol_mla c16r4 rtn perplexity"]  # the command line's method
