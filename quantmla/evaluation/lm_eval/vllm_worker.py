@@ -25,6 +25,37 @@ from quantmla.serving.engine import alias_vllm_distribution, engine_args
 RESUME_CHUNK = 16  # requests per vLLM call (each call's answers saved): RULER on CPU, ~8 minutes
 
 
+def resumable_vllm():
+    """lm-eval's `vllm` model whose generations are saved, a chunk at a time, under the key its
+    request cache reads them back by (the request's own arguments). lm-eval 0.4.13's saves them
+    under the normalised generation arguments (stop strings with EOS, max_gen_toks), which no
+    lookup asks for: a stopped RULER job resumed from nothing."""
+    alias_vllm_distribution()
+    from lm_eval.api.model import CacheHook
+    from lm_eval.models.vllm_causallms import VLLM
+    from tqdm.auto import tqdm
+
+    class ResumableVLLM(VLLM):
+        def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+            saves, self.cache_hook = self.cache_hook, CacheHook(None)  # its own saves: unread
+            answers: list[str] = []
+            try:
+                bar = tqdm(total=len(requests), desc="generate_until", disable=disable_tqdm)
+                for start in range(0, len(requests), RESUME_CHUNK):
+                    chunk = requests[start : start + RESUME_CHUNK]
+                    texts = super().generate_until(chunk, disable_tqdm=True)
+                    for req, text in zip(chunk, texts, strict=True):
+                        saves.add_partial("generate_until", req.args, text)
+                    answers += texts
+                    bar.update(len(chunk))
+                bar.close()
+            finally:
+                self.cache_hook = saves
+            return answers
+
+    return ResumableVLLM
+
+
 def run(request: dict) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     alias_vllm_distribution()
@@ -38,12 +69,10 @@ def run(request: dict) -> dict:
         import_upstream_ruler_quietly()
     engine = request["engine"]
     args = engine_args(request["model"], **engine)
-    model_args = {"pretrained": args.pop("model"), **args}
-    if request.get("use_cache"):  # answers saved a chunk at a time: a stopped job resumes
-        model_args["batch_size"] = RESUME_CHUNK
+    # answers saved a chunk at a time (`use_cache`): a stopped job resumes
+    model = resumable_vllm()(pretrained=args.pop("model"), batch_size=RESUME_CHUNK, **args)
     results = simple_evaluate(
-        model="vllm",
-        model_args=model_args,
+        model=model,
         tasks=request["tasks"],
         limit=request.get("limit"),
         task_manager=TaskManager(
