@@ -10,6 +10,7 @@ bold), "—" for a missing cell (never zero), and the paper's own numbers beside
     python -m analysis.tables frontier | frontier_pairs [--experiment tiny_frontier]   # issue #23
     python -m analysis.tables smol_testbed | smol_outliers | smol_rtn_cost              # issue #39
     python -m analysis.tables smol_path_split    # the C2R4 baselines per path (issue #40)
+    python -m analysis.tables smol_fig4_ruler    # RULER S-NIAH per context length (Fig. 4 twin)
     python -m analysis.tables layer_nmse --experiment smol_table1   # per-layer attention-output NMSE
     python -m analysis.tables rope_objective     # QuantMLA's RoPE path fitted to QK scores or output
     python -m analysis.tables rope_positions     # the RoPE key's QK error by key position
@@ -82,6 +83,7 @@ class Layout:
     precisions: tuple[str, ...] | None = None  # rows of these precisions only (None: all)
     per_length: bool = False  # metrics keyed `<metric>@<model.eval_seqlen>`: one column per length
     changed: tuple[str, ...] = ()  # tasks whose per-document scores are compared with BF16's
+    paper_model: str | None = None  # the paper's model whose numbers stand beside a testbed's
 
 
 def _task_columns(tasks, stderr: bool = False):
@@ -134,6 +136,14 @@ SMOL = (
         for c in _task_columns(("mmlu", "gsm8k"), stderr=True)
     ),
 )
+RULER_TASKS = ("s_niah_1", "s_niah_2", "s_niah_3")
+# Fig. 4 twin: RULER S-NIAH accuracy per context length and its average (the paper's averages,
+# DeepSeek-V2-Lite QuantMLA C4R4, beside a testbed's QuantMLA C4R4 row)
+RULER = tuple(
+    Column(f"ruler/{t}/{n}", f"S-NIAH-{t[-1]} {n // 1024}K", "{:.1f}")
+    for t in RULER_TASKS
+    for n in (1024, 2048, 4096, 8192)
+) + tuple(Column(f"ruler/{t}/avg", f"S-NIAH-{t[-1]} avg", "{:.1f}", True, t) for t in RULER_TASKS)
 LAYOUTS = {
     "table1": Layout(
         "table1", _task_columns(TABLE1_TASKS), tuple(f"acc/{t}" for t in TABLE1_TASKS), "table1"
@@ -154,6 +164,9 @@ LAYOUTS = {
         also=("smol_table1",),
         precisions=("bf16", "c2r4", "c2r16", "c16r4"),
     ),  # fmt: skip
+    "smol_fig4_ruler": Layout(
+        "smol_fig4_ruler", RULER, paper_table="fig4_ruler", paper_model="deepseek_v2_lite"
+    ),
     # full sets at 2,048 and 4,096 tokens (WikiText-2 test: 148 / 74 windows; the C4 slice: 73 / 36)
     "smol_table1_full": Layout(
         "smol_table1_full",
@@ -252,7 +265,10 @@ def build(records: list[dict], layout: Layout, paper: dict | None = None) -> lis
                         text = f"**{text}**"
                     text += suffix[(method, col.metric)]
                     stated = (
-                        paper_rows.get(model, {}).get(precision, {}).get(method, {}) or {}
+                        paper_rows.get(layout.paper_model or model, {})
+                        .get(precision, {})
+                        .get(method, {})
+                        or {}
                     ).get(col.paper_key or "")
                     if stated is not None:
                         text += f" (paper {stated})"

@@ -308,3 +308,19 @@ def test_smol_testbed_tables_from_records():
         ["C2R4", "none", "30.00 (+50.0 %)"],
     ]
     assert cost[2][4] == "1.000e-03" and cost[2][3] == "—"
+
+
+def test_ruler_table_sets_the_papers_averages_beside_a_testbeds_quantmla_row():
+    lengths = {f"ruler/s_niah_{k}/{n}": 50.0 for k in (1, 2, 3) for n in (1024, 2048, 4096, 8192)}
+    averages = {f"ruler/s_niah_{k}/avg": 50.0 for k in (1, 2, 3)}
+    records = [
+        record("smol_mla", "bf16", "rtn", **lengths, **averages),
+        record("smol_mla", "c4r4", "quantmla", **lengths, **averages),
+        record("smol_mla", "c4r4", "rtn", **lengths, **{**averages, "ruler/s_niah_3/avg": 40.0}),
+    ]
+    paper = {"fig4_ruler": {"deepseek_v2_lite": {"c4r4": {"quantmla": {"s_niah_3": 87.2}}}}}
+    header, *body = build(records, LAYOUTS["smol_fig4_ruler"], paper)
+    assert header[3] == "S-NIAH-1 1K" and header[-1] == "S-NIAH-3 avg"
+    by = {(r[1], r[2]): r for r in body}
+    assert by[("C4R4", "QuantMLA")][-1] == "**50.0** (paper 87.2)"  # DeepSeek-V2-Lite's, beside
+    assert by[("C4R4", "RTN")][-1] == "40.0" and by[("BF16", "—")][-1] == "50.0"
