@@ -108,10 +108,10 @@ JOBS = (
         "~1 h fit a format (as job 15)", ("experiment=smol_frontier", "method=quantmla",
                                 "precision=c2r4,cnvfp4re4m3t,cmxfp4rmxfp4,clm4r16",
                                 "method.calibration.seqlen=512")),
-    # vLLM on 2 cores: ~125 prompt tokens/s (1 sample a variant at 1K: 23 s; at 4K + 8K: 283 s),
-    # 12x slower beside another job (its threads are bound to the cores)
+    # vLLM on 2 cores: 240 requests of 1K-8K, 16 a call (23 s at 1K, ~10 min at 8K); far slower
+    # beside another job (its threads are bound to the cores)
     Job("RULER", "Fig. 4 twin through vLLM: BF16, QuantMLA and RTN C4R4 (make serve-setup first)",
-        "~2 h a cell", ("experiment=smol_fig4_ruler",)),
+        "~1 h a cell alone (QuantMLA C4R4: 57 min, 111 CPU-minutes)", ("experiment=smol_fig4_ruler",)),
     # appended (a running queue keeps the numbers above): the claims table's remaining cells
     Job("tiny-mla-v2 path split", "the tiny column's ranking: each path of the baselines alone",
         "3 min", ("experiment=tiny_table1_v2", "experiment_name=tiny_path_split",
