@@ -165,7 +165,11 @@ LAYOUTS = {
         precisions=("bf16", "c2r4", "c2r16", "c16r4"),
     ),  # fmt: skip
     "smol_fig4_ruler": Layout(
-        "smol_fig4_ruler", RULER, paper_table="fig4_ruler", paper_model="deepseek_v2_lite"
+        "smol_fig4_ruler",
+        RULER,
+        paper_table="fig4_ruler",
+        also=("smol_fig4_ruler_moved",),  # QuantMLA's RoPE fitted on moved positions (a row)
+        paper_model="deepseek_v2_lite",
     ),
     # full sets at 2,048 and 4,096 tokens (WikiText-2 test: 148 / 74 windows; the C4 slice: 73 / 36)
     "smol_table1_full": Layout(
@@ -201,6 +205,22 @@ def _changed_share(metrics: dict, bf16: dict | None, layout: Layout) -> float | 
     return None if changed is None else 100 * float(changed.mean())
 
 
+def method_variant(method: dict) -> str:
+    """A method's row: its name, and the extension settings its calibration holds off the paper's
+    defaults (`quantmla.config.CALIBRATION_HASH_NEUTRAL`: a record keeps them only then), so a
+    variant gets a row of its own instead of merging into the paper's."""
+    from quantmla.config import CALIBRATION_HASH_NEUTRAL
+
+    calibration = method.get("calibration") or {}
+    settings = [f"{k}={calibration[k]}" for k in CALIBRATION_HASH_NEUTRAL if k in calibration]
+    return ", ".join([method["name"], *settings])
+
+
+def _method_label(variant: str) -> str:
+    name, _, settings = variant.partition(", ")
+    return METHOD_LABEL[name] + (f" ({settings})" if settings else "")
+
+
 def build(records: list[dict], layout: Layout, paper: dict | None = None) -> list[list[str]]:
     """The table as rows of cell strings; bold marked with **…**. First row is the header."""
     cells = {}
@@ -208,7 +228,7 @@ def build(records: list[dict], layout: Layout, paper: dict | None = None) -> lis
         c = r["config"]
         if layout.precisions is not None and c["precision"]["name"] not in layout.precisions:
             continue
-        key = (c["model"]["name"], c["precision"]["name"], c["method"]["name"])
+        key = (c["model"]["name"], c["precision"]["name"], method_variant(c["method"]))
         metrics = r["metrics"]
         if layout.per_length:
             metrics = {f"{k}@{c['model']['eval_seqlen']}": v for k, v in metrics.items()}
@@ -236,7 +256,11 @@ def build(records: list[dict], layout: Layout, paper: dict | None = None) -> lis
             ),
         )
         for precision in precisions:
-            methods = ["rtn"] if precision == "bf16" else list(METHOD_ORDER)
+            variants = sorted(
+                {v for m, p, v in cells if (m, p) == (model, precision) and v not in METHODS},
+                key=lambda v: (METHOD_ORDER.index(v.split(", ")[0]), v),
+            )  # each after the paper's rows
+            methods = ["rtn"] if precision == "bf16" else [*METHOD_ORDER, *variants]
             shown, suffix = {}, {}
             for method in methods:
                 for col in columns:
@@ -257,7 +281,7 @@ def build(records: list[dict], layout: Layout, paper: dict | None = None) -> lis
                 row = [
                     model,
                     precision.upper(),
-                    "—" if precision == "bf16" else METHOD_LABEL[method],
+                    "—" if precision == "bf16" else _method_label(method),
                 ]
                 for col in columns:
                     text = shown[(method, col.metric)] or "—"

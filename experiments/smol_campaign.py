@@ -184,6 +184,14 @@ JOBS = (
          "precision=c16r4,c4r4,c2r4", "method.calibration.rope_positions=2048")),
     Job("RoPE error by key position, moved fit", "... and job 36's RoPE fit", "~2 min: job 36's units",
         ("experiment=smol_rope_positions", "method=quantmla", "method.calibration.rope_positions=2048")),
+    # QuantMLA C4R4 loses 10 paired points of S-NIAH-3 (job 22), whose needles sit at positions up
+    # to 8K; its RoPE angles were fitted on positions 0-511 (docs/results.md)
+    Job("RULER, RoPE fitted on moved positions", "whether QuantMLA's S-NIAH-3 loss at C4R4 comes "
+        "from its RoPE fit's positions: the cell again with the RoPE units fitted on sequences "
+        "moved across 0-8,191 (the content units are the C4R4 fit's)",
+        "not measured: one RoPE fit (~20 min), then ~1 h",
+        ("experiment=smol_fig4_ruler", "experiment_name=smol_fig4_ruler_moved", "precision=c4r4",
+         "method=quantmla", "method.calibration.rope_positions=8192")),
 )  # fmt: skip
 
 

@@ -324,3 +324,16 @@ def test_ruler_table_sets_the_papers_averages_beside_a_testbeds_quantmla_row():
     by = {(r[1], r[2]): r for r in body}
     assert by[("C4R4", "QuantMLA")][-1] == "**50.0** (paper 87.2)"  # DeepSeek-V2-Lite's, beside
     assert by[("C4R4", "RTN")][-1] == "40.0" and by[("BF16", "—")][-1] == "50.0"
+
+
+def test_a_calibration_variant_gets_its_own_row_after_the_papers():
+    def quantmla(score, **calibration):
+        r = record("smol_mla", "c4r4", "quantmla", **{"ruler/s_niah_3/avg": score})
+        r["config"]["method"]["calibration"] = {"steps": 300, **calibration}
+        return r
+
+    records = [quantmla(20.0), quantmla(30.0, rope_positions=8192)]
+    header, *body = build(records, LAYOUTS["smol_fig4_ruler"])
+    methods = [r[2] for r in body]
+    assert methods[-2:] == ["QuantMLA", "QuantMLA (rope_positions=8192)"]  # not merged
+    assert body[-2][-1] == "20.0" and body[-1][-1] == "**30.0**"
