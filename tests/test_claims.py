@@ -248,6 +248,16 @@ def test_retrieval_is_compared_paired_per_sample_and_a_task_bf16_cannot_do_is_le
         + (": not separated from the 5-point margin" if lost.mean() - 1.96 * se <= 5 else "")
         + "; BF16 cannot retrieve S-NIAH-3"
     )
+    rtn = bf16.copy()
+    rtn[:2, :, :12] = 0.0  # RTN loses more on both tasks BF16 reads
+    with_rtn = ruler({("bf16", "rtn"): bf16, ("c4r4", "quantmla"): ours, ("c4r4", "rtn"): rtn}, 40)
+    rtn_lost = [100 * (bf16[t] - rtn[t]) for t in (0, 1)]
+    rtn_se = [np.sqrt(sum(d.var(ddof=1) / d.size for d in x)) / 2 for x in rtn_lost]
+    assert smol_column(claims_rows(with_rtn), "RULER")[1].endswith(
+        f"; RTN C4R4 {rtn_lost[0].mean():.1f} ± {rtn_se[0]:.1f} / {rtn_lost[1].mean():.1f} ± "
+        f"{rtn_se[1]:.1f} paired points below BF16 on S-NIAH-1 / S-NIAH-2; BF16 cannot retrieve "
+        "S-NIAH-3"
+    )
     records = ruler({("bf16", "rtn"): bf16, ("c4r4", "quantmla"): ours}, 40)
     for r in records:  # without per-sample scores: two independent proportions' bound
         r["metrics"] = {k: v for k, v in r["metrics"].items() if not k.startswith("docs/")}
