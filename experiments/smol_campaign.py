@@ -189,7 +189,7 @@ JOBS = (
     Job("RULER, RoPE fitted on moved positions", "whether QuantMLA's S-NIAH-3 loss at C4R4 comes "
         "from its RoPE fit's positions: the cell again with the RoPE units fitted on sequences "
         "moved across 0-8,191 (the content units are the C4R4 fit's)",
-        "not measured: one RoPE fit (~20 min), then ~1 h",
+        "one RoPE fit (~12 min: capture 2, α search 2, 300 steps 7), then ~1 h",
         ("experiment=smol_fig4_ruler", "experiment_name=smol_fig4_ruler_moved", "precision=c4r4",
          "method=quantmla", "method.calibration.rope_positions=8192")),
 )  # fmt: skip
