@@ -56,9 +56,8 @@ class Evaluator:
     needs_model: bool = True  # False: analytic, the model's config is enough
     needs_data: bool = True
     mixed: bool = False  # runs a mixed allocation (reads only each layer's own patch)
-    layer_study: bool = (
-        False  # one capture of `eval.n_sequences` × `eval.seqlen`, studied layer by layer
-    )
+    # one capture of `eval.n_sequences` × `eval.seqlen`, studied layer by layer
+    layer_study: bool = False
 
     @property
     def implemented(self) -> bool:

@@ -40,8 +40,8 @@ def resumable_vllm():
         def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
             saves, self.cache_hook = self.cache_hook, CacheHook(None)  # its own saves: unread
             answers: list[str] = []
+            bar = tqdm(total=len(requests), desc="generate_until", disable=disable_tqdm)
             try:
-                bar = tqdm(total=len(requests), desc="generate_until", disable=disable_tqdm)
                 for start in range(0, len(requests), RESUME_CHUNK):
                     chunk = requests[start : start + RESUME_CHUNK]
                     texts = super().generate_until(chunk, disable_tqdm=True)
@@ -49,8 +49,8 @@ def resumable_vllm():
                         saves.add_partial("generate_until", req.args, text)
                     answers += texts
                     bar.update(len(chunk))
-                bar.close()
             finally:
+                bar.close()
                 self.cache_hook = saves
             return answers
 
