@@ -14,6 +14,7 @@ bold), "—" for a missing cell (never zero), and the paper's own numbers beside
     python -m analysis.tables layer_nmse --experiment smol_table1   # per-layer attention-output NMSE
     python -m analysis.tables rope_objective     # QuantMLA's RoPE path fitted to QK scores or output
     python -m analysis.tables rope_positions     # the RoPE key's QK error by key position
+    python -m analysis.tables ruler_answer       # RULER answers teacher-forced, paired vs BF16
     python -m analysis.tables claims             # the paper's claims on each testbed (issue #40)
 """
 
@@ -35,6 +36,7 @@ from analysis import (
     probes,
     rope_objective,
     rope_positions,
+    ruler_answer,
     sensitivity,
     testbed,
     throughput,
@@ -349,6 +351,7 @@ def study_tables(paper: dict) -> dict:
         "layer_nmse": (layer_nmse.layer_rows, "table1"),
         "rope_objective": (rope_objective.rope_objective_rows, ""),  # five experiments' records
         "rope_positions": (rope_positions.rope_position_rows, "smol_rope_positions"),
+        "ruler_answer": (ruler_answer.answer_rows, "smol_ruler_answer"),
         "claims": (claims.claims_rows, ""),  # every experiment's records
         "smol_costs": (costs.cost_rows, ""),
         "fig5c_sweep": (
@@ -361,7 +364,7 @@ def study_tables(paper: dict) -> dict:
 STUDY_TABLES = (
     "table4", "table5", "table6", "allocation", "probe_layers", "frontier", "frontier_pairs", "fig5c_sweep",
     "smol_testbed", "smol_outliers", "smol_rtn_cost", "claims", "smol_costs", "layer_nmse",
-    "rope_objective", "rope_positions",
+    "rope_objective", "rope_positions", "ruler_answer",
 )  # fmt: skip
 
 

@@ -192,6 +192,13 @@ JOBS = (
         "one RoPE fit (~12 min: capture 2, α search 2, 300 steps 7), then ~1 h",
         ("experiment=smol_fig4_ruler", "experiment_name=smol_fig4_ruler_moved", "precision=c4r4",
          "method=quantmla", "method.calibration.rope_positions=8192")),
+    # job 38 did not recover S-NIAH-3: which path loses the UUID, measured per sample (each answer's
+    # log-likelihood through the cache, paired against BF16; the same samples as job 22's)
+    Job("RULER answers teacher-forced, per path", "where the S-NIAH-3 loss at C4R4 comes from: "
+        "QuantMLA and RTN at C4R4, C4R16 (the latent alone) and C16R4 (the RoPE key alone), each "
+        "sample's answer log-likelihood paired against BF16 (nothing fitted: smol_table1's units)",
+        "not measured: ~15 min a cell (one forward a sample; a 1K and an 8K sample took 106 s "
+        "beside a fit, the model's load included)", ("experiment=smol_ruler_answer",)),
 )  # fmt: skip
 
 

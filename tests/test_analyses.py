@@ -407,3 +407,30 @@ def test_rope_position_rows_count_layers_below_quarot_per_key_range():
     assert rows[2][2:] == ["2.000e+00", "2.500e+00"] and rows[1][3].endswith(
         "(0 of 2 below QuaRot†)"
     )
+
+
+def test_ruler_answer_rows_pair_each_cache_with_bf16_over_the_same_samples():
+    from analysis import ruler_answer
+
+    def record(precision, method, loglik, exact, created="2026-12-05"):
+        halves = {512: slice(0, 2), 1024: slice(2, 4)}
+        docs = {f"docs/ruler_answer/s_niah_3/{n}/{k}": v[s] for n, s in halves.items()
+                for k, v in (("loglik", loglik), ("exact", exact))}  # fmt: skip
+        return {
+            "created": created,
+            "config": {"precision": {"name": precision}, "method": {"name": method},
+                       "eval": {"kind": "ruler_answer", "tasks": ["s_niah_3"], "context_lengths": [512, 1024]}},
+            "metrics": docs,
+        }  # fmt: skip
+
+    rows = ruler_answer.answer_rows([
+        record("bf16", "quantmla", [-1.0, -2.0, -3.0, -4.0], [1.0, 1.0, 0.0, 1.0]),
+        record("c4r4", "rtn", [-2.0, -2.0, -5.0, -4.0], [0.0, 1.0, 1.0, 1.0]),
+        record("c4r4", "rtn", [0.0, 0.0, 0.0, 0.0], [1.0] * 4, created="2026-12-01"),  # older
+    ])  # fmt: skip
+    assert [r[1:3] for r in rows[1:]] == [["BF16", "—"], ["C4R4", "RTN"]]
+    d = np.array([-1.0, 0.0, -2.0, 0.0])
+    assert rows[2][3:] == [
+        "75.0", "-3.250", f"{d.mean():+.3f} ± {d.std(ddof=1) / 2:.3f}", "1 / 1",
+    ]  # fmt: skip
+    assert rows[1][5:] == ["—", "—"]

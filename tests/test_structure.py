@@ -83,6 +83,7 @@ KIND_PRESETS = {
     "sensitivity": ["eval=sensitivity"],
     "probes": ["eval=probes"],
     "rope_positions": ["eval=rope_positions"],
+    "ruler_answer": ["eval=ruler_answer"],
     "latency": ["eval=latency"],
     "throughput": ["eval=throughput"],
 }

@@ -114,6 +114,13 @@ EVALUATORS: dict[str, Evaluator] = {
             mixed=True,
         ),
         Evaluator(
+            "ruler_answer",
+            "quantmla.evaluation.ruler_answer",
+            "RULER S-NIAH answers teacher-forced: log-likelihood and whole-answer argmax per sample",
+            ("tasks", "context_lengths", "limit"),
+            "quantmla.evaluation.ruler_answer:check",
+        ),
+        Evaluator(
             "retrieval",
             "quantmla.evaluation.retrieval",
             "needle retrieval on held-out phrasings (the second testbed)",
