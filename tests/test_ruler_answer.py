@@ -38,6 +38,12 @@ def test_record_equals_the_full_forward_over_prompt_and_answer(tmp_path):
         return float(logp.sum()), bool((rows.argmax(-1) == torch.tensor(answer)).all())
 
     expected = [reference(*answer_ids(prepared.tokenizer, s)) for s in samples]
+    lead = prepared.tokenizer(":", add_special_tokens=False).input_ids
+    prompt, answer = answer_ids(prepared.tokenizer, samples[0])
+    assert (
+        prompt[-len(lead) :] == lead
+        and prepared.tokenizer.decode(answer).strip() == (samples[0]["outputs"][0])
+    )
     with prepared.unquantized():
         unquantized = [reference(*answer_ids(prepared.tokenizer, s))[0] for s in samples]
     assert m["docs/ruler_answer/s_niah_3/512/loglik"] == pytest.approx(

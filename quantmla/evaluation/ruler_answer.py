@@ -1,8 +1,9 @@
 """eval.kind=ruler_answer: RULER S-NIAH's answers teacher-forced through the job's cache.
 
 The samples are eval.kind=ruler's (quantmla.evaluation.lm_eval.niah, the same seed and lengths);
-each sample's answer (" " + the needle's value) follows its prompt in one forward, and the record
-keeps the answer's log-likelihood and whether greedy decoding would copy it whole. Exact match over
+each sample's value (" " + the needle's value, after the ":" the model writes) follows its prompt
+in one forward, and the record keeps the value's log-likelihood and whether greedy decoding would
+copy it whole. Exact match over
 a few samples moves in steps of 100/n points; the log-likelihood moves with every sample, so
 paired differences between caches (BF16, each path alone) say where a retrieval loss comes from.
 As in the perplexity evaluation every query, the prompt's too, reads the quantized history."""
@@ -38,14 +39,22 @@ def check(cfg, job) -> None:
     check_essays(job.paths.data_dir)
 
 
+# What the model writes between RULER's answer prefix ("... mentioned in the provided text is")
+# and the value: SmolLM2-MLA's greedy answer at BF16 is ": <value>", and string-match scoring
+# ignores it. Fed as context, so the scored tokens are the value's alone (retrieval, not format).
+ANSWER_LEAD = ":"
+
+
 def answer_ids(tokenizer, sample: dict) -> tuple[list[int], list[int]]:
-    """The prompt's tokens (as eval.kind=ruler feeds them) and the answer's, encoded apart as
-    lm-eval encodes a context and its continuation."""
+    """The context's tokens (eval.kind=ruler's prompt, then ANSWER_LEAD) and the value's (" " +
+    value), encoded apart as lm-eval encodes a context and its continuation."""
     from quantmla.evaluation.lm_eval.niah import prompt_text
 
-    prompt = tokenizer(prompt_text(sample)).input_ids
-    answer = tokenizer(" " + sample["outputs"][0], add_special_tokens=False).input_ids
-    return list(prompt), list(answer)
+    def encode(text: str, **kwargs) -> list[int]:
+        return list(tokenizer(text, **kwargs).input_ids)
+
+    prompt = encode(prompt_text(sample)) + encode(ANSWER_LEAD, add_special_tokens=False)
+    return prompt, encode(" " + sample["outputs"][0], add_special_tokens=False)
 
 
 def score_answer(model, prompt: list[int], answer: list[int]) -> tuple[float, bool]:
