@@ -11,7 +11,7 @@ As in the perplexity evaluation every query, the prompt's too, reads the quantiz
 from __future__ import annotations
 
 from quantmla.errors import ConfigError
-from quantmla.evaluation.lm_eval.suites import RULER_LENGTHS, RULER_TASKS, check_essays
+from quantmla.evaluation.lm_eval.suites import RULER_TASKS, check_essays, check_ruler_samples
 
 
 def check(cfg, job) -> None:
@@ -19,21 +19,7 @@ def check(cfg, job) -> None:
     ev = cfg.eval
     if not ev.tasks:
         raise ConfigError("eval.tasks", [], tuple(RULER_TASKS))
-    for task in ev.tasks:
-        if task not in RULER_TASKS:
-            raise ConfigError("eval.tasks", task, tuple(RULER_TASKS))
-    if not ev.context_lengths:
-        raise ConfigError("eval.context_lengths", [], RULER_LENGTHS)
-    max_positions = getattr(job.model_config, "max_position_embeddings", None)
-    for length in ev.context_lengths:
-        if length not in RULER_LENGTHS:
-            raise ConfigError("eval.context_lengths", length, RULER_LENGTHS)
-        if max_positions is not None and length > max_positions:
-            raise ConfigError(
-                "eval.context_lengths",
-                length,
-                f"lengths <= the model's max_position_embeddings ({max_positions})",
-            )
+    check_ruler_samples(ev, getattr(job.model_config, "max_position_embeddings", None))
     if ev.limit is None or ev.limit < 1:
         raise ConfigError("eval.limit", ev.limit, ">= 1 samples per task and length")
     check_essays(job.paths.data_dir)

@@ -159,6 +159,24 @@ def data_mode(ev, data_dir) -> str:
     return ev.data if data_dir is not None else "hub"
 
 
+def check_ruler_samples(ev, max_positions: int | None) -> None:
+    """eval.tasks and eval.context_lengths of a job that builds RULER's S-NIAH samples."""
+    for task in ev.tasks:
+        if task not in RULER_TASKS:
+            raise ConfigError("eval.tasks", task, tuple(RULER_TASKS))
+    if not ev.context_lengths:
+        raise ConfigError("eval.context_lengths", [], RULER_LENGTHS)
+    for length in ev.context_lengths:
+        if length not in RULER_LENGTHS:
+            raise ConfigError("eval.context_lengths", length, RULER_LENGTHS)
+        if max_positions is not None and length > max_positions:
+            raise ConfigError(
+                "eval.context_lengths",
+                length,
+                f"lengths <= the model's max_position_embeddings ({max_positions})",
+            )
+
+
 def check_lm_eval(ev, max_positions: int | None, data_dir) -> None:
     """eval.* of an lm_eval or ruler job, before anything loads: one line per fault."""
     if ev.data not in DATA_MODES:
@@ -168,20 +186,7 @@ def check_lm_eval(ev, max_positions: int | None, data_dir) -> None:
     if not ev.tasks:
         raise ConfigError("eval.tasks", [], "at least one task")
     if ev.kind == "ruler":
-        for task in ev.tasks:
-            if task not in RULER_TASKS:
-                raise ConfigError("eval.tasks", task, tuple(RULER_TASKS))
-        if not ev.context_lengths:
-            raise ConfigError("eval.context_lengths", [], RULER_LENGTHS)
-        for length in ev.context_lengths:
-            if length not in RULER_LENGTHS:
-                raise ConfigError("eval.context_lengths", length, RULER_LENGTHS)
-            if max_positions is not None and length > max_positions:
-                raise ConfigError(
-                    "eval.context_lengths",
-                    length,
-                    f"lengths <= the model's max_position_embeddings ({max_positions})",
-                )
+        check_ruler_samples(ev, max_positions)
         return
     for name in ev.tasks:
         if name not in TASKS:
