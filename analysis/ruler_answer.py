@@ -30,7 +30,7 @@ def answer_rows(records: list[dict]) -> list[list[str]]:
         if key not in cells or r.get("created", "") >= cells[key][0]:
             cells[key] = (r.get("created", ""), r)
     header = ["task", "precision", "method", "answers copied (%)", "answer log-lik (nats)",
-              "Δ log-lik vs BF16 (paired ± s.e.)", "copied: lost / gained vs BF16"]  # fmt: skip
+              "Δ log-lik vs BF16 (paired ± s.e.)", "log-lik below BF16", "copied: lost / gained vs BF16"]  # fmt: skip
     rows = [header]
     bf16 = cells.get(("bf16", None))
     tasks = sorted({t for _, r in cells.values() for t in r["config"]["eval"]["tasks"]})
@@ -43,7 +43,7 @@ def answer_rows(records: list[dict]) -> list[list[str]]:
                 record = found[1]
                 m, lengths = record["metrics"], record["config"]["eval"]["context_lengths"]
                 loglik, exact = (_samples(m, task, lengths, n) for n in ("loglik", "exact"))
-                delta = changed = "—"
+                delta = below = changed = "—"
                 if bf16 is not None and precision != "bf16":
                     ref = bf16[1]["metrics"]
                     ref_loglik, ref_exact = (
@@ -52,12 +52,13 @@ def answer_rows(records: list[dict]) -> list[list[str]]:
                     if ref_loglik.size == loglik.size:
                         d = loglik - ref_loglik
                         delta = f"{d.mean():+.3f} ± {d.std(ddof=1) / math.sqrt(d.size):.3f}"
+                        below = f"{int((d < 0).sum())} of {d.size}"  # the mean's tails aside
                         changed = (
                             f"{int((exact < ref_exact).sum())} / {int((exact > ref_exact).sum())}"
                         )
                 rows.append([
                     task.upper().replace("_", "-"), precision.upper(),
                     "—" if method is None else LABEL[method], f"{100 * exact.mean():.1f}",
-                    f"{loglik.mean():.3f}", delta, changed,
+                    f"{loglik.mean():.3f}", delta, below, changed,
                 ])  # fmt: skip
     return rows

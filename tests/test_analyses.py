@@ -431,6 +431,6 @@ def test_ruler_answer_rows_pair_each_cache_with_bf16_over_the_same_samples():
     assert [r[1:3] for r in rows[1:]] == [["BF16", "—"], ["C4R4", "RTN"]]
     d = np.array([-1.0, 0.0, -2.0, 0.0])
     assert rows[2][3:] == [
-        "75.0", "-3.250", f"{d.mean():+.3f} ± {d.std(ddof=1) / 2:.3f}", "1 / 1",
+        "75.0", "-3.250", f"{d.mean():+.3f} ± {d.std(ddof=1) / 2:.3f}", "2 of 4", "1 / 1",
     ]  # fmt: skip
-    assert rows[1][5:] == ["—", "—"]
+    assert rows[1][5:] == ["—", "—", "—"]
