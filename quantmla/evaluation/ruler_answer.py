@@ -3,10 +3,10 @@
 The samples are eval.kind=ruler's (quantmla.evaluation.lm_eval.niah, the same seed and lengths);
 each sample's value (" " + the needle's value, after the ":" the model writes) follows its prompt
 in one forward, and the record keeps the value's log-likelihood and whether greedy decoding would
-copy it whole. Exact match over
-a few samples moves in steps of 100/n points; the log-likelihood moves with every sample, so
-paired differences between caches (BF16, each path alone) say where a retrieval loss comes from.
-As in the perplexity evaluation every query, the prompt's too, reads the quantized history."""
+copy it whole. Exact match over a few samples moves in steps of 100/n points; the log-likelihood
+moves with every sample, so paired differences between caches (BF16, each path alone) say where
+a retrieval loss comes from. As in the perplexity evaluation every query, the prompt's too, reads
+the quantized history."""
 
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ from quantmla.evaluation.lm_eval.suites import RULER_TASKS, check_essays, check_
 def check(cfg, job) -> None:
     """eval.tasks / context_lengths / limit, and the local essays, before anything loads."""
     ev = cfg.eval
-    if not ev.tasks:
-        raise ConfigError("eval.tasks", [], tuple(RULER_TASKS))
     check_ruler_samples(ev, getattr(job.model_config, "max_position_embeddings", None))
     if ev.limit is None or ev.limit < 1:
         raise ConfigError("eval.limit", ev.limit, ">= 1 samples per task and length")

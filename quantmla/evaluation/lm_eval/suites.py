@@ -161,6 +161,8 @@ def data_mode(ev, data_dir) -> str:
 
 def check_ruler_samples(ev, max_positions: int | None) -> None:
     """eval.tasks and eval.context_lengths of a job that builds RULER's S-NIAH samples."""
+    if not ev.tasks:
+        raise ConfigError("eval.tasks", [], tuple(RULER_TASKS))
     for task in ev.tasks:
         if task not in RULER_TASKS:
             raise ConfigError("eval.tasks", task, tuple(RULER_TASKS))
