@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from analysis import probes, sensitivity, throughput
+from analysis import probes, ruler_answer, sensitivity, throughput
 from analysis.common import changed_documents
 
 # each testbed's model and the experiments its claims read (a shared one is filtered by model)
@@ -31,6 +31,7 @@ TESTBEDS = {
         "ruler": "tiny_fig4_ruler_v2",
         "throughput": "tiny_fig5c_paper_regime",
         "probes": "tiny_table5_probes",
+        "ruler_answer": None,
     },
     "SmolLM2-MLA": {
         "model": "smol_mla",
@@ -40,6 +41,7 @@ TESTBEDS = {
         "ruler": "smol_fig4_ruler",
         "throughput": "smol_fig5c_throughput",
         "probes": "smol_table5_probes",
+        "ruler_answer": "smol_ruler_answer",
     },
 }
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "conf" / "experiment"
@@ -79,13 +81,18 @@ class Claim:
     also: str | None = None  # a second TESTBEDS key whose records explain a verdict
 
 
-def _of(records: list[dict], experiment: str, model: str) -> list[dict]:
-    """The experiment's records of the testbed's model (or of its twin: tiny-mla-v2-4k's Fig. 5c)."""
-    return [
-        r
-        for r in records
-        if r.get("experiment") == experiment and r["config"]["model"]["name"].startswith(model)
-    ]
+def _of(records: list[dict], experiment: str | None, model: str) -> list[dict]:
+    """The experiment's records of the testbed's model (or of its twin: tiny-mla-v2-4k's Fig. 5c);
+    none where the testbed has no such experiment."""
+    return (
+        []
+        if experiment is None
+        else [
+            r
+            for r in records
+            if r.get("experiment") == experiment and r["config"]["model"]["name"].startswith(model)
+        ]
+    )
 
 
 def _cell(records: list[dict], precision: str, method: str | None, keys) -> dict | None:
@@ -335,7 +342,33 @@ def _niah(task: str) -> str:
     return task.upper().replace("_", "-")
 
 
-def ruler_c4r4(records, experiment) -> Verdict:
+def _answer_paths(answers: list[dict]) -> str:
+    """Which path carries the worst task's C4R4 loss, from its answers teacher-forced through each
+    cache (eval=ruler_answer): the answer log-likelihood's change from BF16 per cell, paired."""
+    found = ruler_answer.cells(answers)
+    bf16 = found.get(("bf16", None))
+    if bf16 is None:
+        return ""
+    task = bf16["config"]["eval"]["tasks"][0]
+    parts, alone = [], {}
+    for precision, method, label in (("c4r4", "quantmla", "QuantMLA C4R4"), ("c4r4", "rtn", "RTN C4R4"),
+                                     ("c4r16", "quantmla", "the INT4 latent alone (C4R16)"),
+                                     ("c16r4", "quantmla", "the INT4 RoPE key alone (C16R4)")):  # fmt: skip
+        record = found.get((precision, method))
+        d = None if record is None else ruler_answer.loglik_change(bf16, record, task)
+        if d is not None:
+            parts.append(f"{label} {ruler_answer.mean_se(d)}")
+            alone[precision] = d.mean()
+    if not parts:
+        return ""
+    why = f"{_niah(task)}'s answer teacher-forced, nats vs BF16: {', '.join(parts)}"
+    if "c4r16" in alone and "c16r4" in alone:
+        carrier = "the RoPE key" if alone["c16r4"] < alone["c4r16"] else "the latent"
+        why += f": {carrier} carries the loss"
+    return why
+
+
+def ruler_c4r4(records, experiment, answers=()) -> Verdict:
     keys = [f"ruler/{t}/avg" for t in RULER]
     bf16, ours = _cell(records, "bf16", None, keys), _cell(records, "c4r4", "quantmla", keys)
     if bf16 is None or ours is None:
@@ -363,7 +396,7 @@ def ruler_c4r4(records, experiment) -> Verdict:
             f"; RTN C4R4 {' / '.join(f'{g:.1f} ± {e:.1f}' for g, e, _ in lost)}{lost[0][2]} "
             f"points below BF16 on {' / '.join(map(_niah, read))}"
         )
-    return Verdict(value, False, "; ".join(filter(None, (why, note))))
+    return Verdict(value, False, "; ".join(filter(None, (why, _answer_paths(answers), note))))
 
 
 def pressure_speedup(records, experiment) -> Verdict:
@@ -418,7 +451,7 @@ CLAIMS = (
     Claim("The RoPE path is the more sensitive (model ratio R_P / R_C > 1)",
           "R_P > R_C (Table 4, 285 layers)", "sensitivity", rope_more_sensitive),
     Claim(f"RULER S-NIAH-1/2/3 at C4R4 (testbeds: within {RULER_WITHIN:g} points of BF16)",
-          "99.95 / 99.60 / 87.20", "ruler", ruler_c4r4),
+          "99.95 / 99.60 / 87.20", "ruler", ruler_c4r4, also="ruler_answer"),
     Claim("Cache-pressure throughput, C4R4 / BF16 (testbeds: median ≥ 3x)",
           "5.168x (2.61 → 13.51 tok/s)", "throughput", pressure_speedup),
     Claim("Whole-token permutation raises the content path's gain",

@@ -19,43 +19,63 @@ def _samples(metrics: dict, task: str, lengths: list[int], name: str) -> np.ndar
     )
 
 
-def answer_rows(records: list[dict]) -> list[list[str]]:
-    cells: dict[tuple, tuple[str, dict]] = {}
+def cells(records: list[dict]) -> dict[tuple, dict]:
+    """The newest eval=ruler_answer record of each (precision, method); BF16's method is None."""
+    found: dict[tuple, dict] = {}
     for r in records:
         c = r["config"]
         if c["eval"]["kind"] != "ruler_answer":
             continue
-        method = None if c["precision"]["name"] == "bf16" else c["method"]["name"]
-        key = (c["precision"]["name"], method)
-        if key not in cells or r.get("created", "") >= cells[key][0]:
-            cells[key] = (r.get("created", ""), r)
+        key = (
+            c["precision"]["name"],
+            None if c["precision"]["name"] == "bf16" else c["method"]["name"],
+        )
+        if key not in found or r.get("created", "") >= found[key].get("created", ""):
+            found[key] = r
+    return found
+
+
+def _scores(record: dict, task: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per sample over the record's lengths: the answer's log-likelihood and whether it is copied."""
+    m, lengths = record["metrics"], record["config"]["eval"]["context_lengths"]
+    return tuple(_samples(m, task, lengths, name) for name in ("loglik", "exact"))
+
+
+def loglik_change(bf16: dict, record: dict, task: str) -> np.ndarray | None:
+    """Per sample, the cache's answer log-likelihood minus BF16's (None: not the same samples)."""
+    ours, ref = _scores(record, task)[0], _scores(bf16, task)[0]
+    return ours - ref if ours.size == ref.size else None
+
+
+def mean_se(d: np.ndarray) -> str:
+    return f"{d.mean():+.3f} ± {d.std(ddof=1) / math.sqrt(d.size):.3f}"
+
+
+def answer_rows(records: list[dict]) -> list[list[str]]:
+    found = cells(records)
     header = ["task", "precision", "method", "answers copied (%)", "answer log-lik (nats)",
               "Δ log-lik vs BF16 (paired ± s.e.)", "log-lik below BF16", "copied: lost / gained vs BF16"]  # fmt: skip
     rows = [header]
-    bf16 = cells.get(("bf16", None))
-    tasks = sorted({t for _, r in cells.values() for t in r["config"]["eval"]["tasks"]})
+    bf16 = found.get(("bf16", None))
+    tasks = sorted({t for r in found.values() for t in r["config"]["eval"]["tasks"]})
     for task in tasks:
         for precision in PRECISIONS:
             for method in (None,) if precision == "bf16" else METHODS:
-                found = cells.get((precision, method))
-                if found is None or task not in found[1]["config"]["eval"]["tasks"]:
+                record = found.get((precision, method))
+                if record is None or task not in record["config"]["eval"]["tasks"]:
                     continue
-                record = found[1]
-                m, lengths = record["metrics"], record["config"]["eval"]["context_lengths"]
-                loglik, exact = (_samples(m, task, lengths, n) for n in ("loglik", "exact"))
+                loglik, exact = _scores(record, task)
                 delta = below = changed = "—"
-                if bf16 is not None and precision != "bf16":
-                    ref = bf16[1]["metrics"]
-                    ref_loglik, ref_exact = (
-                        _samples(ref, task, lengths, n) for n in ("loglik", "exact")
-                    )
-                    if ref_loglik.size == loglik.size:
-                        d = loglik - ref_loglik
-                        delta = f"{d.mean():+.3f} ± {d.std(ddof=1) / math.sqrt(d.size):.3f}"
-                        below = f"{int((d < 0).sum())} of {d.size}"  # the mean's tails aside
-                        changed = (
-                            f"{int((exact < ref_exact).sum())} / {int((exact > ref_exact).sum())}"
-                        )
+                d = (
+                    None
+                    if bf16 is None or precision == "bf16"
+                    else loglik_change(bf16, record, task)
+                )
+                if d is not None:
+                    ref_exact = _scores(bf16, task)[1]
+                    delta = mean_se(d)
+                    below = f"{int((d < 0).sum())} of {d.size}"  # the mean's tails aside
+                    changed = f"{int((exact < ref_exact).sum())} / {int((exact > ref_exact).sum())}"
                 rows.append([
                     task.upper().replace("_", "-"), precision.upper(),
                     "—" if method is None else LABEL[method], f"{100 * exact.mean():.1f}",

@@ -279,6 +279,46 @@ def test_retrieval_is_compared_paired_per_sample_and_a_task_bf16_cannot_do_is_le
     )
 
 
+def answers(cells: dict[tuple[str, str], list[float]]) -> list[dict]:
+    """eval=ruler_answer records: each cell's S-NIAH-3 answer log-likelihoods at one length."""
+    records = []
+    for (p, m), loglik in cells.items():
+        config = {"model": {"name": "smol_mla"}, "precision": {"name": p}, "method": {"name": m},
+                  "eval": {"kind": "ruler_answer", "tasks": ["s_niah_3"], "context_lengths": [1024]}}  # fmt: skip
+        metrics = {"docs/ruler_answer/s_niah_3/1024/loglik": loglik,
+                   "docs/ruler_answer/s_niah_3/1024/exact": [0.0] * len(loglik)}  # fmt: skip
+        records.append({"experiment": "smol_ruler_answer", "config": config, "metrics": metrics})
+    return records
+
+
+def test_a_lost_retrieval_names_the_path_whose_cache_lowers_the_answers_likelihood():
+    bf16 = np.ones((3, 2, 40))
+    ours = bf16.copy()
+    ours[2, :, :8] = 0.0  # S-NIAH-3: beyond the 5-point margin
+    retrieval = ruler({("bf16", "rtn"): bf16, ("c4r4", "quantmla"): ours}, 40)
+    base = [-1.0, -2.0, -3.0, -4.0]
+    cells = {("bf16", "rtn"): base, ("c4r4", "quantmla"): [-2.0, -4.0, -3.0, -6.0],
+             ("c4r16", "quantmla"): [-1.0, -2.0, -3.5, -4.0], ("c16r4", "quantmla"): [-2.0, -3.0, -3.0, -6.0]}  # fmt: skip
+
+    def change(cell):
+        d = np.subtract(cells[cell], base)  # float64 reference of the paired mean and its s.e.
+        return f"{d.mean():+.3f} ± {d.std(ddof=1) / 2:.3f}"
+
+    verdict = smol_column(claims_rows(retrieval + answers(cells)), "RULER")[1]
+    assert verdict.endswith(
+        f"; S-NIAH-3's answer teacher-forced, nats vs BF16: QuantMLA C4R4 "
+        f"{change(('c4r4', 'quantmla'))}, the INT4 latent alone (C4R16) "
+        f"{change(('c4r16', 'quantmla'))}, the INT4 RoPE key alone (C16R4) "
+        f"{change(('c16r4', 'quantmla'))}: the RoPE key carries the loss"
+    )
+    cells[("c4r16", "quantmla")], cells[("c16r4", "quantmla")] = cells[("c16r4", "quantmla")], base
+    verdict = smol_column(claims_rows(retrieval + answers(cells)), "RULER")[1]
+    assert verdict.endswith(": the latent carries the loss")
+    del cells[("c16r4", "quantmla")]  # one path alone: no attribution
+    verdict = smol_column(claims_rows(retrieval + answers(cells)), "RULER")[1]
+    assert verdict.endswith(f"(C4R16) {change(('c4r16', 'quantmla'))}")
+
+
 def test_an_unseparated_margin_says_how_many_documents_each_cache_changes():
     """Averages that cannot separate the caches, while the documents they score differently from
     BF16 do: each cell's share counted here by hand (flips both ways leave the average put)."""
