@@ -173,6 +173,40 @@ def test_errors_without_transforms_are_measured_once_for_every_budget(
 
 
 @needs_tiny
+def test_teacher_forced_answers_read_each_layers_own_format(sensitivity_store):
+    """eval=ruler_answer under a mixed allocation: the record's answer log-likelihoods are the
+    allocated model's full forward (float64), not the uniform C2R4 model's."""
+    from quantmla.evaluation.lm_eval.niah import generate
+    from quantmla.evaluation.ruler_answer import answer_ids
+    from quantmla.job import resolve
+    from quantmla.prepare import prepare
+    from quantmla.run import run
+
+    answer = ["eval=ruler_answer", "eval.tasks=[s_niah_1]", "eval.context_lengths=[512]", "eval.limit=2"]  # fmt: skip
+    mixed = run_config(*tiny_job(sensitivity_store, *MIXED, *answer))
+    record = run(mixed)
+
+    def logliks(cfg):
+        prepared = prepare(resolve(cfg))
+        samples = generate(
+            "niah_single_1", 512, prepared.tokenizer, prepared.paths.data_dir, 2, cfg.seed
+        )
+        out = []
+        for prompt, value in (answer_ids(prepared.tokenizer, s) for s in samples):
+            with torch.no_grad():
+                logits = prepared.model(torch.tensor([prompt + value])).logits[0].double()
+            logp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
+            out.append(float(logp[torch.arange(len(value)), value].sum()))
+        return out
+
+    got = record["metrics"]["docs/ruler_answer/s_niah_1/512/loglik"]
+    assert sorted(record["metrics"]["allocation/precisions"]) == ["c2r4"] * 3 + ["c4r4"] * 3
+    assert got == pytest.approx(logliks(mixed), rel=1e-5)
+    uniform = logliks(run_config(*tiny_job(sensitivity_store, "precision=c2r4", *answer)))
+    assert all(abs(a - b) > 1e-4 for a, b in zip(got, uniform))
+
+
+@needs_tiny
 @pytest.mark.parametrize(
     ("overrides", "error", "named"),
     [

@@ -119,6 +119,7 @@ EVALUATORS: dict[str, Evaluator] = {
             "RULER S-NIAH answers teacher-forced: log-likelihood and whole-answer argmax per sample",
             ("tasks", "context_lengths", "limit"),
             "quantmla.evaluation.ruler_answer:check",
+            mixed=True,
         ),
         Evaluator(
             "retrieval",
