@@ -82,3 +82,42 @@ def answer_rows(records: list[dict]) -> list[list[str]]:
                     f"{loglik.mean():.3f}", delta, below, changed,
                 ])  # fmt: skip
     return rows
+
+
+PATHS = (("c4r16", "the latent alone (C4R16)"), ("c16r4", "the RoPE key alone (C16R4)"),
+         ("c4r4", "both (C4R4)"))  # fmt: skip
+
+
+def path_rows(records: list[dict]) -> list[list[str]]:
+    """Which path loses the answer: per method each path alone and both, the answer log-likelihood's
+    change from BF16 (paired ± s.e.; the RoPE key alone per length too), both minus the sum of the
+    two (do the losses add?), and QuantMLA − RTN per cache paired (`ruler_answer_paths`)."""
+    found = cells(records)
+    bf16 = found.get(("bf16", None))
+    header = ["task", "method", *(label for _, label in PATHS), "both − the sum",
+              "the RoPE key alone by length"]  # fmt: skip
+    rows = [header]
+    if bf16 is None:
+        return rows
+    lengths = bf16["config"]["eval"]["context_lengths"]
+    for task in bf16["config"]["eval"]["tasks"]:
+        changes: dict[str, dict] = {}
+        for method in METHODS:
+            d = {p: found.get((p, method)) for p, _ in PATHS}
+            d = {p: r and loglik_change(bf16, r, task) for p, r in d.items()}
+            if any(v is None for v in d.values()):
+                continue
+            changes[method] = d
+            by_length = " / ".join(f"{x.mean():+.2f}" for x in np.split(d["c16r4"], len(lengths)))
+            rows.append([
+                task.upper().replace("_", "-"), LABEL[method], *(mean_se(d[p]) for p, _ in PATHS),
+                mean_se(d["c4r4"] - d["c4r16"] - d["c16r4"]), f"{by_length} ({', '.join(map(str, lengths))})",
+            ])  # fmt: skip
+        if len(changes) == len(METHODS):
+            gain = {p: changes["quantmla"][p] - changes["rtn"][p] for p, _ in PATHS}
+            rows.append([
+                task.upper().replace("_", "-"), "QuantMLA − RTN",
+                *(f"{mean_se(gain[p])} ({int((gain[p] > 0).sum())} of {gain[p].size} higher)"
+                  for p, _ in PATHS), "", "",
+            ])  # fmt: skip
+    return rows

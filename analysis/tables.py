@@ -15,6 +15,7 @@ bold), "—" for a missing cell (never zero), and the paper's own numbers beside
     python -m analysis.tables rope_objective     # QuantMLA's RoPE path fitted to QK scores or output
     python -m analysis.tables rope_positions     # the RoPE key's QK error by key position
     python -m analysis.tables ruler_answer       # RULER answers teacher-forced, paired vs BF16
+    python -m analysis.tables ruler_answer_paths # ... per path: which one loses the answer
     python -m analysis.tables claims             # the paper's claims on each testbed (issue #40)
 """
 
@@ -352,6 +353,7 @@ def study_tables(paper: dict) -> dict:
         "rope_objective": (rope_objective.rope_objective_rows, ""),  # five experiments' records
         "rope_positions": (rope_positions.rope_position_rows, "smol_rope_positions"),
         "ruler_answer": (ruler_answer.answer_rows, "smol_ruler_answer"),
+        "ruler_answer_paths": (ruler_answer.path_rows, "smol_ruler_answer"),
         "claims": (claims.claims_rows, ""),  # every experiment's records
         "smol_costs": (costs.cost_rows, ""),
         "fig5c_sweep": (
@@ -364,7 +366,7 @@ def study_tables(paper: dict) -> dict:
 STUDY_TABLES = (
     "table4", "table5", "table6", "allocation", "probe_layers", "frontier", "frontier_pairs", "fig5c_sweep",
     "smol_testbed", "smol_outliers", "smol_rtn_cost", "claims", "smol_costs", "layer_nmse",
-    "rope_objective", "rope_positions", "ruler_answer",
+    "rope_objective", "rope_positions", "ruler_answer", "ruler_answer_paths",
 )  # fmt: skip
 
 

@@ -197,7 +197,8 @@ JOBS = (
     Job("RULER answers teacher-forced, per path", "where the S-NIAH-3 loss at C4R4 comes from: "
         "QuantMLA and RTN at C4R4, C4R16 (the latent alone) and C16R4 (the RoPE key alone), each "
         "sample's answer log-likelihood paired against BF16 (nothing fitted: smol_table1's units)",
-        "~14.5 min a cell alone (BF16, C4R4: 872-876 s, ~28 CPU-minutes; 27 s an 8K sample)",
+        "~14.5 min a cell alone (BF16, C4R4: 872-876 s, ~28 CPU-minutes; 27 s an 8K sample; "
+        "22-25 min, 43-45 CPU-minutes on a slower host)",
         ("experiment=smol_ruler_answer",)),
 )  # fmt: skip
 

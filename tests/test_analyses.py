@@ -409,20 +409,23 @@ def test_rope_position_rows_count_layers_below_quarot_per_key_range():
     )
 
 
+def answer_record(precision, method, loglik, exact=(0.0,) * 4, created="2026-12-05"):
+    """An eval=ruler_answer record: four S-NIAH-3 samples, two at each of two lengths."""
+    halves = {512: slice(0, 2), 1024: slice(2, 4)}
+    docs = {f"docs/ruler_answer/s_niah_3/{n}/{k}": list(v[s]) for n, s in halves.items()
+            for k, v in (("loglik", loglik), ("exact", exact))}  # fmt: skip
+    return {
+        "created": created,
+        "config": {"precision": {"name": precision}, "method": {"name": method},
+                   "eval": {"kind": "ruler_answer", "tasks": ["s_niah_3"], "context_lengths": [512, 1024]}},
+        "metrics": docs,
+    }  # fmt: skip
+
+
 def test_ruler_answer_rows_pair_each_cache_with_bf16_over_the_same_samples():
     from analysis import ruler_answer
 
-    def record(precision, method, loglik, exact, created="2026-12-05"):
-        halves = {512: slice(0, 2), 1024: slice(2, 4)}
-        docs = {f"docs/ruler_answer/s_niah_3/{n}/{k}": v[s] for n, s in halves.items()
-                for k, v in (("loglik", loglik), ("exact", exact))}  # fmt: skip
-        return {
-            "created": created,
-            "config": {"precision": {"name": precision}, "method": {"name": method},
-                       "eval": {"kind": "ruler_answer", "tasks": ["s_niah_3"], "context_lengths": [512, 1024]}},
-            "metrics": docs,
-        }  # fmt: skip
-
+    record = answer_record
     rows = ruler_answer.answer_rows([
         record("bf16", "quantmla", [-1.0, -2.0, -3.0, -4.0], [1.0, 1.0, 0.0, 1.0]),
         record("c4r4", "rtn", [-2.0, -2.0, -5.0, -4.0], [0.0, 1.0, 1.0, 1.0]),
@@ -434,3 +437,35 @@ def test_ruler_answer_rows_pair_each_cache_with_bf16_over_the_same_samples():
         "75.0", "-3.250", f"{d.mean():+.3f} ± {d.std(ddof=1) / 2:.3f}", "2 of 4", "1 / 1",
     ]  # fmt: skip
     assert rows[1][5:] == ["—", "—", "—"]
+
+
+def test_ruler_answer_paths_split_each_methods_loss_and_pair_the_methods():
+    from analysis import ruler_answer
+
+    bf16 = np.array([-1.0, -2.0, -3.0, -4.0])
+    change = {  # (method, precision) → each sample's log-likelihood change from BF16
+        ("rtn", "c4r16"): np.array([-1.0, 0.0, -2.0, -1.0]),
+        ("rtn", "c16r4"): np.array([-2.0, -3.0, -2.0, -5.0]),
+        ("rtn", "c4r4"): np.array([-3.0, -4.0, -5.0, -6.0]),
+        ("quantmla", "c4r16"): np.array([0.0, 0.0, -0.5, 0.0]),
+        ("quantmla", "c16r4"): np.array([-1.0, -2.0, -2.0, -3.0]),
+        ("quantmla", "c4r4"): np.array([-1.0, -2.0, -3.0, -3.0]),
+    }
+    records = [answer_record("bf16", "rtn", bf16)]
+    records += [answer_record(p, m, bf16 + d) for (m, p), d in change.items()]
+    rows = ruler_answer.path_rows(records)
+
+    def ms(d):  # float64 reference: the paired mean and its standard error
+        return f"{d.mean():+.3f} ± {d.std(ddof=1) / 2:.3f}"
+
+    assert rows[1][:2] == ["S-NIAH-3", "RTN"] and rows[2][1] == "QuantMLA"
+    for row, m in ((rows[1], "rtn"), (rows[2], "quantmla")):
+        c = {p: change[(m, p)] for p in ("c4r16", "c16r4", "c4r4")}
+        assert row[2:6] == [ms(c["c4r16"]), ms(c["c16r4"]), ms(c["c4r4"]),
+                            ms(c["c4r4"] - c["c4r16"] - c["c16r4"])]  # fmt: skip
+        halves = c["c16r4"][:2].mean(), c["c16r4"][2:].mean()
+        assert row[6] == f"{halves[0]:+.2f} / {halves[1]:+.2f} (512, 1024)"
+    gain = change[("quantmla", "c16r4")] - change[("rtn", "c16r4")]
+    assert rows[3][1] == "QuantMLA − RTN" and rows[3][3] == f"{ms(gain)} (3 of 4 higher)"
+    # a method without every path is left out, and so is the comparison
+    assert [r[1] for r in ruler_answer.path_rows(records[:-1])[1:]] == ["RTN"]
