@@ -200,6 +200,14 @@ JOBS = (
         "~14.5 min a cell alone (BF16, C4R4: 872-876 s, ~28 CPU-minutes; 27 s an 8K sample; "
         "22-25 min, 43-45 CPU-minutes on a slower host)",
         ("experiment=smol_ruler_answer",)),
+    # job 39: the INT4 RoPE key carries 87 % of QuantMLA C4R4's S-NIAH-3 loss and its RoPE
+    # transforms recover 23 % of RTN's (docs/results.md); the production formats keep that key
+    # wider (vLLM's fp8_ds_mla in BF16, nvfp4_ds_mla in FP8)
+    Job("RULER answers, an INT8 RoPE key", "whether 32 B a token more (C4R8) recovers S-NIAH-3's "
+        "answers: QuantMLA (its INT8 RoPE units fitted, the content units the C4R4 fit's) and RTN, "
+        "paired against job 39's BF16",
+        "not measured: one RoPE fit (~12 min as job 38's), then ~15-25 min a cell as job 39's",
+        ("experiment=smol_ruler_answer", "precision.name=c4r8")),
 )  # fmt: skip
 
 
