@@ -84,15 +84,13 @@ class Claim:
 def _of(records: list[dict], experiment: str | None, model: str) -> list[dict]:
     """The experiment's records of the testbed's model (or of its twin: tiny-mla-v2-4k's Fig. 5c);
     none where the testbed has no such experiment."""
-    return (
-        []
-        if experiment is None
-        else [
-            r
-            for r in records
-            if r.get("experiment") == experiment and r["config"]["model"]["name"].startswith(model)
-        ]
-    )
+    if experiment is None:
+        return []
+    return [
+        r
+        for r in records
+        if r.get("experiment") == experiment and r["config"]["model"]["name"].startswith(model)
+    ]
 
 
 def _cell(records: list[dict], precision: str, method: str | None, keys) -> dict | None:
@@ -343,17 +341,18 @@ def _niah(task: str) -> str:
 
 
 def _answer_paths(answers: list[dict]) -> str:
-    """Which path carries the worst task's C4R4 loss, from its answers teacher-forced through each
-    cache (eval=ruler_answer): the answer log-likelihood's change from BF16 per cell, paired."""
+    """Which path carries a C4R4 retrieval loss, from the answers of the task the records hold
+    teacher-forced through each cache (eval=ruler_answer): each cell's change of the answer's
+    log-likelihood from BF16, paired; each path alone is QuantMLA's."""
     found = ruler_answer.cells(answers)
     bf16 = found.get(("bf16", None))
     if bf16 is None:
         return ""
     task = bf16["config"]["eval"]["tasks"][0]
     parts, alone = [], {}
-    for precision, method, label in (("c4r4", "quantmla", "QuantMLA C4R4"), ("c4r4", "rtn", "RTN C4R4"),
-                                     ("c4r16", "quantmla", "the INT4 latent alone (C4R16)"),
-                                     ("c16r4", "quantmla", "the INT4 RoPE key alone (C16R4)")):  # fmt: skip
+    for precision, method, label in (("c4r4", "rtn", "RTN C4R4"), ("c4r4", "quantmla", "QuantMLA C4R4"),
+                                     ("c4r16", "quantmla", "its INT4 latent alone (C4R16)"),
+                                     ("c16r4", "quantmla", "its INT4 RoPE key alone (C16R4)")):  # fmt: skip
         record = found.get((precision, method))
         d = None if record is None else ruler_answer.loglik_change(bf16, record, task)
         if d is not None:

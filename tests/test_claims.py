@@ -297,7 +297,8 @@ def test_a_lost_retrieval_names_the_path_whose_cache_lowers_the_answers_likeliho
     ours[2, :, :8] = 0.0  # S-NIAH-3: beyond the 5-point margin
     retrieval = ruler({("bf16", "rtn"): bf16, ("c4r4", "quantmla"): ours}, 40)
     base = [-1.0, -2.0, -3.0, -4.0]
-    cells = {("bf16", "rtn"): base, ("c4r4", "quantmla"): [-2.0, -4.0, -3.0, -6.0],
+    cells = {("bf16", "rtn"): base, ("c4r4", "rtn"): [-3.0, -4.0, -5.0, -6.0],
+             ("c4r4", "quantmla"): [-2.0, -4.0, -3.0, -6.0],
              ("c4r16", "quantmla"): [-1.0, -2.0, -3.5, -4.0], ("c16r4", "quantmla"): [-2.0, -3.0, -3.0, -6.0]}  # fmt: skip
 
     def change(cell):
@@ -306,9 +307,9 @@ def test_a_lost_retrieval_names_the_path_whose_cache_lowers_the_answers_likeliho
 
     verdict = smol_column(claims_rows(retrieval + answers(cells)), "RULER")[1]
     assert verdict.endswith(
-        f"; S-NIAH-3's answer teacher-forced, nats vs BF16: QuantMLA C4R4 "
-        f"{change(('c4r4', 'quantmla'))}, the INT4 latent alone (C4R16) "
-        f"{change(('c4r16', 'quantmla'))}, the INT4 RoPE key alone (C16R4) "
+        f"; S-NIAH-3's answer teacher-forced, nats vs BF16: RTN C4R4 {change(('c4r4', 'rtn'))}, "
+        f"QuantMLA C4R4 {change(('c4r4', 'quantmla'))}, its INT4 latent alone (C4R16) "
+        f"{change(('c4r16', 'quantmla'))}, its INT4 RoPE key alone (C16R4) "
         f"{change(('c16r4', 'quantmla'))}: the RoPE key carries the loss"
     )
     cells[("c4r16", "quantmla")], cells[("c16r4", "quantmla")] = cells[("c16r4", "quantmla")], base
