@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-PRECISIONS = ("bf16", "c4r4", "c4r8", "c4r16", "c16r4")
+PRECISIONS = ("bf16", "c4r4", "c4r8", "c4r16", "c16r4", "c16r8")
 METHODS = ("rtn", "quantmla")
 LABEL = {"rtn": "RTN", "quantmla": "QuantMLA"}
 

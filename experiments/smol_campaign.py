@@ -204,10 +204,11 @@ JOBS = (
     # transforms recover 23 % of RTN's (docs/results.md); the production formats keep that key
     # wider (vLLM's fp8_ds_mla in BF16, nvfp4_ds_mla in FP8)
     Job("RULER answers, an INT8 RoPE key", "whether 32 B a token more (C4R8) recovers S-NIAH-3's "
-        "answers: QuantMLA (its INT8 RoPE units fitted, the content units the C4R4 fit's) and RTN, "
-        "paired against job 39's BF16",
-        "not measured: one RoPE fit (~12 min as job 38's), then ~15-25 min a cell as job 39's",
-        ("experiment=smol_ruler_answer", "precision.name=c4r8")),
+        "answers, and the INT8 key alone (C16R8): QuantMLA (its INT8 RoPE units fitted, the "
+        "content units the C4R4 fit's) and RTN, paired against job 39's BF16",
+        "not measured: one RoPE fit (~12 min as job 38's), then ~15-25 min a cell as job 39's "
+        "(RTN C16R8: 2026-12-05)",
+        ("experiment=smol_ruler_answer", "precision.name=c4r8,c16r8")),
 )  # fmt: skip
 
 
