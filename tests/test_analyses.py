@@ -425,11 +425,10 @@ def answer_record(precision, method, loglik, exact=(0.0,) * 4, created="2026-12-
 def test_ruler_answer_rows_pair_each_cache_with_bf16_over_the_same_samples():
     from analysis import ruler_answer
 
-    record = answer_record
     rows = ruler_answer.answer_rows([
-        record("bf16", "quantmla", [-1.0, -2.0, -3.0, -4.0], [1.0, 1.0, 0.0, 1.0]),
-        record("c4r4", "rtn", [-2.0, -2.0, -5.0, -4.0], [0.0, 1.0, 1.0, 1.0]),
-        record("c4r4", "rtn", [0.0, 0.0, 0.0, 0.0], [1.0] * 4, created="2026-12-01"),  # older
+        answer_record("bf16", "quantmla", [-1.0, -2.0, -3.0, -4.0], [1.0, 1.0, 0.0, 1.0]),
+        answer_record("c4r4", "rtn", [-2.0, -2.0, -5.0, -4.0], [0.0, 1.0, 1.0, 1.0]),
+        answer_record("c4r4", "rtn", [0.0, 0.0, 0.0, 0.0], [1.0] * 4, created="2026-12-01"),  # older
     ])  # fmt: skip
     assert [r[1:3] for r in rows[1:]] == [["BF16", "—"], ["C4R4", "RTN"]]
     d = np.array([-1.0, 0.0, -2.0, 0.0])
