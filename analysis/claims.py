@@ -364,6 +364,15 @@ def _answer_paths(answers: list[dict]) -> str:
     if "c4r16" in alone and "c16r4" in alone:
         carrier = "the RoPE key" if alone["c16r4"] < alone["c4r16"] else "the latent"
         why += f": {carrier} carries the loss"
+    wider, narrow = found.get(("c4r8", "quantmla")), found.get(("c4r4", "quantmla"))
+    d = None if wider is None else ruler_answer.loglik_change(bf16, wider, task)
+    if d is not None and narrow is not None:
+        size = [f"{r['metrics']['cache/bytes_per_token']:g}" for r in (wider, narrow)]
+        why += (
+            f"; with an INT8 RoPE key (QuantMLA C4R8, {size[0]} B a token vs C4R4's {size[1]}) "
+            f"{ruler_answer.mean_se(d)}, copies {ruler_answer.copied(wider, task):.1f} % "
+            f"(BF16 {ruler_answer.copied(bf16, task):.1f} %)"
+        )
     return why
 
 

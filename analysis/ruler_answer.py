@@ -47,6 +47,11 @@ def loglik_change(bf16: dict, record: dict, task: str) -> np.ndarray | None:
     return ours - ref if ours.size == ref.size else None
 
 
+def copied(record: dict, task: str) -> float:
+    """The share of samples (%) whose whole answer the cache's greedy argmax copies."""
+    return 100 * _scores(record, task)[1].mean()
+
+
 def mean_se(d: np.ndarray) -> str:
     return f"{d.mean():+.3f} ± {d.std(ddof=1) / math.sqrt(d.size):.3f}"
 

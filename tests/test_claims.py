@@ -286,7 +286,8 @@ def answers(cells: dict[tuple[str, str], list[float]]) -> list[dict]:
         config = {"model": {"name": "smol_mla"}, "precision": {"name": p}, "method": {"name": m},
                   "eval": {"kind": "ruler_answer", "tasks": ["s_niah_3"], "context_lengths": [1024]}}  # fmt: skip
         metrics = {"docs/ruler_answer/s_niah_3/1024/loglik": loglik,
-                   "docs/ruler_answer/s_niah_3/1024/exact": [0.0] * len(loglik)}  # fmt: skip
+                   "docs/ruler_answer/s_niah_3/1024/exact": [float(x > -2.5) for x in loglik],
+                   "cache/bytes_per_token": {"c4r4": 320.0, "c4r8": 352.0}.get(p, 0.0)}  # fmt: skip
         records.append({"experiment": "smol_ruler_answer", "config": config, "metrics": metrics})
     return records
 
@@ -318,6 +319,25 @@ def test_a_lost_retrieval_names_the_path_whose_cache_lowers_the_answers_likeliho
     del cells[("c16r4", "quantmla")]  # one path alone: no attribution
     verdict = smol_column(claims_rows(retrieval + answers(cells)), "RULER")[1]
     assert verdict.endswith(f"(C4R16) {change(('c4r16', 'quantmla'))}")
+
+
+def test_a_lost_retrieval_reports_quantmla_with_an_int8_rope_key_beside_c4r4():
+    bf16 = np.ones((3, 2, 40))
+    ours = bf16.copy()
+    ours[2, :, :8] = 0.0
+    retrieval = ruler({("bf16", "rtn"): bf16, ("c4r4", "quantmla"): ours}, 40)
+    base = [-1.0, -2.0, -3.0, -4.0]  # copied (> -2.5 nats in `answers`): 2 of 4
+    cells = {("bf16", "rtn"): base, ("c4r4", "quantmla"): [-2.0, -4.0, -3.0, -6.0],
+             ("c4r8", "quantmla"): [-1.5, -2.0, -3.0, -4.5]}  # fmt: skip
+    verdict = smol_column(claims_rows(retrieval + answers(cells)), "RULER")[1]
+    d = np.array([-0.5, 0.0, 0.0, -0.5])  # float64 paired reference: mean -0.25, s.e. 0.144
+    assert verdict.endswith(
+        "; with an INT8 RoPE key (QuantMLA C4R8, 352 B a token vs C4R4's 320) "
+        f"{d.mean():+.3f} ± {d.std(ddof=1) / 2:.3f}, copies 50.0 % (BF16 50.0 %)"
+    )
+    del cells[("c4r4", "quantmla")]  # nothing to weigh its bytes against: not reported
+    verdict = smol_column(claims_rows(retrieval + answers(cells)), "RULER")[1]
+    assert "INT8 RoPE key" not in verdict
 
 
 def test_an_unseparated_margin_says_how_many_documents_each_cache_changes():
