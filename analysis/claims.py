@@ -397,14 +397,22 @@ def ruler_c4r4(records, experiment, answers=()) -> Verdict:
     why = f"{_niah(worst)} {gap:.1f} ± {se:.1f}{how} points below BF16"
     if gap - Z * se <= RULER_WITHIN:
         why += f": not separated from the {RULER_WITHIN:g}-point margin"
-    rtn = _cell(records, "c4r4", "rtn", keys)
-    if rtn is not None:  # the same cache without transforms: is the loss QuantMLA's or INT4's?
-        lost = [_ruler_gap(bf16, rtn, t) for t in read]
-        why += (
-            f"; RTN C4R4 {' / '.join(f'{g:.1f} ± {e:.1f}' for g, e, _ in lost)}{lost[0][2]} "
+
+    def below(label: str, cell: dict | None) -> str:
+        if cell is None:
+            return ""
+        lost = [_ruler_gap(bf16, cell, t) for t in read]
+        return (
+            f"{label} {' / '.join(f'{g:.1f} ± {e:.1f}' for g, e, _ in lost)}{lost[0][2]} "
             f"points below BF16 on {' / '.join(map(_niah, read))}"
         )
-    return Verdict(value, False, "; ".join(filter(None, (why, _answer_paths(answers), note))))
+
+    # the same cache without transforms (is the loss QuantMLA's or INT4's?), and QuantMLA with
+    # the INT8 RoPE key (does the loss stay with the INT4 key?)
+    rtn = below("RTN C4R4", _cell(records, "c4r4", "rtn", keys))
+    wider = below("QuantMLA C4R8 (an INT8 RoPE key)", _cell(records, "c4r8", "quantmla", keys))
+    parts = (why, rtn, _answer_paths(answers), wider, note)
+    return Verdict(value, False, "; ".join(filter(None, parts)))
 
 
 def pressure_speedup(records, experiment) -> Verdict:

@@ -209,6 +209,12 @@ JOBS = (
         "not measured: one RoPE fit (~12 min as job 38's), then ~15-25 min a cell as job 39's "
         "(RTN C16R8: 2026-12-05)",
         ("experiment=smol_ruler_answer", "precision.name=c4r8,c16r8")),
+    # job 40: QuantMLA C4R8 keeps S-NIAH-3's answers teacher-forced (−0.15 ± 0.06 nats, copies as
+    # BF16); the retrieval claim is read through vLLM's generation
+    Job("RULER through vLLM, an INT8 RoPE key", "whether QuantMLA at C4R8 (the INT8 RoPE key, "
+        "+32 B a token) retrieves S-NIAH-1/2/3 within 5 points of BF16 where C4R4 lost S-NIAH-3 "
+        "(job 40's units: nothing fitted)", "~1 h alone as job 22's QuantMLA C4R4 (57 min), more "
+        "on a slower host", ("experiment=smol_fig4_ruler", "precision=c4r8", "method=quantmla")),
 )  # fmt: skip
 
 

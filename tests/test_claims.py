@@ -258,6 +258,13 @@ def test_retrieval_is_compared_paired_per_sample_and_a_task_bf16_cannot_do_is_le
         f"{rtn_se[1]:.1f} paired points below BF16 on S-NIAH-1 / S-NIAH-2; BF16 cannot retrieve "
         "S-NIAH-3"
     )
+    wider = bf16.copy()
+    wider[1, 0, :1] = 0.0  # one S-NIAH-2 sample lost: by hand 1.25 ± sqrt(250 / 40) / 2 = 1.25
+    with_rtn += ruler({("c4r8", "quantmla"): wider}, 40)
+    assert smol_column(claims_rows(with_rtn), "RULER")[1].endswith(
+        "S-NIAH-1 / S-NIAH-2; QuantMLA C4R8 (an INT8 RoPE key) 0.0 ± 0.0 / 1.2 ± 1.2 paired "
+        "points below BF16 on S-NIAH-1 / S-NIAH-2; BF16 cannot retrieve S-NIAH-3"
+    )
     records = ruler({("bf16", "rtn"): bf16, ("c4r4", "quantmla"): ours}, 40)
     for r in records:  # without per-sample scores: two independent proportions' bound
         r["metrics"] = {k: v for k, v in r["metrics"].items() if not k.startswith("docs/")}
