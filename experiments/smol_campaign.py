@@ -206,8 +206,8 @@ JOBS = (
     Job("RULER answers, an INT8 RoPE key", "whether 32 B a token more (C4R8) recovers S-NIAH-3's "
         "answers, and the INT8 key alone (C16R8): QuantMLA (its INT8 RoPE units fitted, the "
         "content units the C4R4 fit's) and RTN, paired against job 39's BF16",
-        "not measured: one RoPE fit (~12 min as job 38's), then ~15-25 min a cell as job 39's "
-        "(RTN C16R8: 2026-12-05)",
+        "one INT8 RoPE fit (14 min: capture 3, α search 2, 300 steps 8), then ~22 min a cell "
+        "(42 CPU-minutes; the slower host of 2026-12-05)",
         ("experiment=smol_ruler_answer", "precision.name=c4r8,c16r8")),
     # job 40: QuantMLA C4R8 keeps S-NIAH-3's answers teacher-forced (−0.15 ± 0.06 nats, copies as
     # BF16); the retrieval claim is read through vLLM's generation
