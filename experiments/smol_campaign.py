@@ -215,10 +215,12 @@ JOBS = (
         "+32 B a token) retrieves S-NIAH-1/2/3 within 5 points of BF16 where C4R4 lost S-NIAH-3 "
         "(job 40's units: nothing fitted)", "~1 h alone as job 22's QuantMLA C4R4 (57 min), more "
         "on a slower host", ("experiment=smol_fig4_ruler", "precision=c4r8", "method=quantmla")),
-    Job("Frontier, an INT8 RoPE key", "C4R8's perplexity and bytes beside the frontier's formats, "
-        "QuantMLA (job 40's units) and RTN", "~3-15 min a cell: nothing fitted",
-        ("experiment=smol_frontier", "precision=c4r8", "method=quantmla,rtn",
+    Job("Frontier, an INT8 RoPE key", "QuantMLA C4R8's perplexity and bytes beside the frontier's "
+        "formats (job 40's units)", "~3-15 min: nothing fitted",
+        ("experiment=smol_frontier", "precision=c4r8", "method=quantmla",
          "method.calibration.seqlen=512")),
+    Job("Frontier, an INT8 RoPE key, RTN", "RTN C4R8 beside job 42's QuantMLA", "~10-15 min",
+        ("experiment=smol_frontier", "precision=c4r8")),
 )  # fmt: skip
 
 

@@ -29,6 +29,28 @@ def test_each_job_composes_at_its_first_sweep_value(job):
         resolve(cfg)
 
 
+def test_each_job_with_several_values_composes_as_a_sweep():
+    """Hydra runs an experiment's `hydra.mode: MULTIRUN` only when the job composes in that mode
+    (`Hydra.get_mode`); otherwise a value list is refused as ambiguous when the job starts (e.g.
+    `method=quantmla,rtn` beside `method.calibration.*`, which RTN's config does not have)."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    import quantmla.config  # noqa: F401  (registers the schemas the configs name)
+    from quantmla.cli import route_precision
+
+    swept = [j for j in JOBS if any("," in o and "=[" not in o for o in j.overrides)]
+    assert swept
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        hydra = GlobalHydra.instance().hydra
+        for job in swept:
+            mode = hydra.get_mode(
+                config_name="config", overrides=route_precision(list(job.overrides))
+            )
+            assert mode == RunMode.MULTIRUN, job.name
+
+
 def test_job_numbers_out_of_range_are_refused(capsys):
     with pytest.raises(SystemExit):
         main(["--only", str(len(JOBS) + 1)])
