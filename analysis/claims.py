@@ -343,7 +343,8 @@ def _niah(task: str) -> str:
 def _answer_paths(answers: list[dict]) -> str:
     """Which path carries a C4R4 retrieval loss, from the answers of the task the records hold
     teacher-forced through each cache (eval=ruler_answer): each cell's change of the answer's
-    log-likelihood from BF16, paired; each path alone is QuantMLA's."""
+    log-likelihood from BF16, paired; each path alone is QuantMLA's, and QuantMLA with an INT8
+    RoPE key (C4R8) follows with its bytes beside C4R4's and its copies beside BF16's."""
     found = ruler_answer.cells(answers)
     bf16 = found.get(("bf16", None))
     if bf16 is None:
