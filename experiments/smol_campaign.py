@@ -221,6 +221,15 @@ JOBS = (
          "method.calibration.seqlen=512")),
     Job("Frontier, an INT8 RoPE key, RTN", "RTN C4R8 beside job 42's QuantMLA", "~10-15 min",
         ("experiment=smol_frontier", "precision=c4r8")),
+    # jobs 42/43: the INT8 RoPE key takes QuantMLA C4R4's loss away; the same key beside the INT2
+    # latent is the frontier's point at C3R4's bytes (152 B at 256 + 64)
+    Job("Frontier, C2R8", "QuantMLA C2R8 (an INT2 latent, an INT8 RoPE key: C3R4's 152 B) beside "
+        "C3R4, the mixed allocations at 152 B and QuantMLA C2R4 (job 21's INT2 units, job 40's "
+        "INT8 ones: nothing fitted)", "not measured: ~10 min",
+        ("experiment=smol_frontier", "precision=c2r8", "method=quantmla",
+         "method.calibration.seqlen=512")),
+    Job("Frontier, C2R8, RTN", "RTN C2R8 beside job 44's QuantMLA", "not measured: ~10 min",
+        ("experiment=smol_frontier", "precision=c2r8")),
 )  # fmt: skip
 
 
