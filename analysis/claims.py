@@ -399,19 +399,24 @@ def ruler_c4r4(records, experiment, answers=()) -> Verdict:
     if gap - Z * se <= RULER_WITHIN:
         why += f": not separated from the {RULER_WITHIN:g}-point margin"
 
-    def below(label: str, cell: dict | None) -> str:
+    def versus(label: str, cell: dict | None) -> str:
+        """Another cell's scores and each task's paired change from BF16 (ours − BF16)."""
         if cell is None:
             return ""
-        lost = [_ruler_gap(bf16, cell, t) for t in read]
+        gaps = [_ruler_gap(bf16, cell, t) for t in read]
+        held = all(g <= RULER_WITHIN for g, _, _ in gaps)
+        scores = " / ".join(f"{cell[f'ruler/{t}/avg']:.1f}" for t in read)
         return (
-            f"{label} {' / '.join(f'{g:.1f} ± {e:.1f}' for g, e, _ in lost)}{lost[0][2]} "
-            f"points below BF16 on {' / '.join(map(_niah, read))}"
+            f"{label} {scores}, "
+            f"{' / '.join(f'{0.0 - g:+.1f} ± {e:.1f}' for g, e, _ in gaps)}{gaps[0][2]} points "
+            f"vs BF16 on {' / '.join(map(_niah, read))}"
+            + (f": within {RULER_WITHIN:g} points on each" if held else "")
         )
 
     # the same cache without transforms (is the loss QuantMLA's or INT4's?), and QuantMLA with
     # the INT8 RoPE key (does the loss stay with the INT4 key?)
-    rtn = below("RTN C4R4", _cell(records, "c4r4", "rtn", keys))
-    wider = below("QuantMLA C4R8 (an INT8 RoPE key)", _cell(records, "c4r8", "quantmla", keys))
+    rtn = versus("RTN C4R4", _cell(records, "c4r4", "rtn", keys))
+    wider = versus("QuantMLA C4R8 (an INT8 RoPE key)", _cell(records, "c4r8", "quantmla", keys))
     parts = (why, rtn, _answer_paths(answers), wider, note)
     return Verdict(value, False, "; ".join(filter(None, parts)))
 

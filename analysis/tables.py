@@ -55,6 +55,7 @@ from quantmla.tracking.store import load_records
 METHOD_ORDER = tuple(METHODS)
 METHOD_LABEL = {name: m.label for name, m in METHODS.items()}
 PRECISION_ORDER = ("bf16", "c4r4", "c2r4", "c4r16", "c8r8")
+PAPER_PRECISIONS = ("c4r4", "c2r4")  # Table 1's rows: every method listed
 PAPER_NUMBERS = Path(__file__).with_name("paper_numbers.yaml")
 
 
@@ -263,7 +264,13 @@ def build(records: list[dict], layout: Layout, paper: dict | None = None) -> lis
                 {v for m, p, v in cells if (m, p) == (model, precision) and v not in METHODS},
                 key=lambda v: (METHOD_ORDER.index(v.split(", ")[0]), v),
             )  # each after the paper's rows
-            methods = ["rtn"] if precision == "bf16" else [*METHOD_ORDER, *variants]
+            # the paper's precisions list every method (a missing cell shows as "—"); another
+            # precision only the methods that have a record
+            listed = [
+                m for m in METHOD_ORDER
+                if precision in PAPER_PRECISIONS or (model, precision, m) in cells
+            ]  # fmt: skip
+            methods = ["rtn"] if precision == "bf16" else [*listed, *variants]
             shown, suffix = {}, {}
             for method in methods:
                 for col in columns:
@@ -277,7 +284,7 @@ def build(records: list[dict], layout: Layout, paper: dict | None = None) -> lis
                         for m in methods
                         if shown[(m, col.metric)] is not None
                     ]
-                    if values:
+                    if len(values) > 1:  # bold: the best of several
                         pick = max if col.higher_is_better else min
                         best[col.metric] = pick(values, key=float)
             for method in methods:

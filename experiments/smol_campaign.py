@@ -213,8 +213,8 @@ JOBS = (
     # BF16); the retrieval claim is read through vLLM's generation
     Job("RULER through vLLM, an INT8 RoPE key", "whether QuantMLA at C4R8 (the INT8 RoPE key, "
         "+32 B a token) retrieves S-NIAH-1/2/3 within 5 points of BF16 where C4R4 lost S-NIAH-3 "
-        "(job 40's units: nothing fitted)", "~1 h alone as job 22's QuantMLA C4R4 (57 min), more "
-        "on a slower host", ("experiment=smol_fig4_ruler", "precision=c4r8", "method=quantmla")),
+        "(job 40's units: nothing fitted)", "~1.2 h on the slower host (its last 96 answers 45 min, "
+        "88 CPU-minutes)", ("experiment=smol_fig4_ruler", "precision=c4r8", "method=quantmla")),
     Job("Frontier, an INT8 RoPE key", "QuantMLA C4R8's perplexity and bytes beside the frontier's "
         "formats (job 40's units)", "~3-15 min: nothing fitted",
         ("experiment=smol_frontier", "precision=c4r8", "method=quantmla",

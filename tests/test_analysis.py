@@ -64,7 +64,8 @@ def test_tiny_table_lower_is_better_merges_jobs_and_averages_only_tasks():
     rows = build(records, LAYOUTS["tiny_table1"])
     assert rows[0][5:7] == ["attn-output NMSE", "HellaSwag"] and rows[0][-1] == "Avg"
     quantmla = {(r[1], r[2]): r for r in rows[1:]}[("C2R4", "QuantMLA")]
-    assert quantmla[7] == "**40.00** ± 2.50" and quantmla[-1] == "**40.00**"  # ppl not averaged
+    # the only method with task scores: nothing to be best of, so not bold; ppl not averaged
+    assert quantmla[7] == "40.00 ± 2.50" and quantmla[-1] == "40.00"
     by = {(r[1], r[2]): r for r in rows[1:]}
     assert (
         by[("C2R4", "QuantMLA")][3] == "**11.000**"
@@ -337,3 +338,14 @@ def test_a_calibration_variant_gets_its_own_row_after_the_papers():
     methods = [r[2] for r in body]
     assert methods[-2:] == ["QuantMLA", "QuantMLA (rope_positions=8192)"]  # not merged
     assert body[-2][-1] == "20.0" and body[-1][-1] == "**30.0**"
+
+
+def test_a_precision_off_the_paper_lists_only_the_methods_it_has():
+    records = [
+        record("smol_mla", "c4r4", "quantmla", **{"ppl/wikitext2": 11.0}),
+        record("smol_mla", "c4r8", "quantmla", **{"ppl/wikitext2": 10.5}),
+    ]
+    rows = build(records, LAYOUTS["tiny_table1"])
+    listed = [(r[1], r[2]) for r in rows[1:]]
+    assert listed.count(("C4R4", "RTN")) == 1  # a paper precision: every method, missing as "—"
+    assert [m for p, m in listed if p == "C4R8"] == ["QuantMLA"]

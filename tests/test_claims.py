@@ -254,17 +254,25 @@ def test_retrieval_is_compared_paired_per_sample_and_a_task_bf16_cannot_do_is_le
     rtn_lost = [100 * (bf16[t] - rtn[t]) for t in (0, 1)]
     rtn_se = [np.sqrt(sum(d.var(ddof=1) / d.size for d in x)) / 2 for x in rtn_lost]
     assert smol_column(claims_rows(with_rtn), "RULER")[1].endswith(
-        f"; RTN C4R4 {rtn_lost[0].mean():.1f} ± {rtn_se[0]:.1f} / {rtn_lost[1].mean():.1f} ± "
-        f"{rtn_se[1]:.1f} paired points below BF16 on S-NIAH-1 / S-NIAH-2; BF16 cannot retrieve "
+        f"; RTN C4R4 {100 * rtn[0].mean():.1f} / {100 * rtn[1].mean():.1f}, "
+        f"{-rtn_lost[0].mean():+.1f} ± {rtn_se[0]:.1f} / {-rtn_lost[1].mean():+.1f} ± "
+        f"{rtn_se[1]:.1f} paired points vs BF16 on S-NIAH-1 / S-NIAH-2; BF16 cannot retrieve "
         "S-NIAH-3"
     )
     wider = bf16.copy()
     wider[1, 0, :1] = 0.0  # one S-NIAH-2 sample lost: by hand 1.25 ± sqrt(250 / 40) / 2 = 1.25
     with_rtn += ruler({("c4r8", "quantmla"): wider}, 40)
+    scores = f"{100 * wider[0].mean():.1f} / {100 * wider[1].mean():.1f}"
     assert smol_column(claims_rows(with_rtn), "RULER")[1].endswith(
-        "S-NIAH-1 / S-NIAH-2; QuantMLA C4R8 (an INT8 RoPE key) 0.0 ± 0.0 / 1.2 ± 1.2 paired "
-        "points below BF16 on S-NIAH-1 / S-NIAH-2; BF16 cannot retrieve S-NIAH-3"
+        f"S-NIAH-1 / S-NIAH-2; QuantMLA C4R8 (an INT8 RoPE key) {scores}, +0.0 ± 0.0 / -1.2 ± 1.2 "
+        "paired points vs BF16 on S-NIAH-1 / S-NIAH-2: within 5 points on each; BF16 cannot "
+        "retrieve S-NIAH-3"
     )
+    wider[0, :, :8] = 0.0  # S-NIAH-1 loses up to 8 of 40 a length: beyond the margin
+    with_rtn[-1:] = ruler({("c4r8", "quantmla"): wider}, 40)
+    beyond = smol_column(claims_rows(with_rtn), "RULER")[1]
+    assert f"(an INT8 RoPE key) {100 * wider[0].mean():.1f} / " in beyond
+    assert "on each" not in beyond
     records = ruler({("bf16", "rtn"): bf16, ("c4r4", "quantmla"): ours}, 40)
     for r in records:  # without per-sample scores: two independent proportions' bound
         r["metrics"] = {k: v for k, v in r["metrics"].items() if not k.startswith("docs/")}
