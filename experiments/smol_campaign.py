@@ -225,11 +225,21 @@ JOBS = (
     # latent is the frontier's point at C3R4's bytes (152 B at 256 + 64)
     Job("Frontier, C2R8", "QuantMLA C2R8 (an INT2 latent, an INT8 RoPE key: C3R4's 152 B) beside "
         "C3R4, the mixed allocations at 152 B and QuantMLA C2R4 (job 21's INT2 units, job 40's "
-        "INT8 ones: nothing fitted)", "not measured: ~10 min",
+        "INT8 ones: nothing fitted)", "7 min: nothing fitted",
         ("experiment=smol_frontier", "precision=c2r8", "method=quantmla",
          "method.calibration.seqlen=512")),
-    Job("Frontier, C2R8, RTN", "RTN C2R8 beside job 44's QuantMLA", "not measured: ~10 min",
+    Job("Frontier, C2R8, RTN", "RTN C2R8 beside job 44's QuantMLA", "3 min",
         ("experiment=smol_frontier", "precision=c2r8")),
+    # job 44: beside the INT2 latent the INT8 key costs nothing over the latent alone (C2R16); C3R8
+    # has C4R4's bytes (184 B at 256 + 64; 288 against 320 at 512 + 64): a bit of the latent
+    # moved to the RoPE key, the path that carries C4R4's loss here
+    Job("Frontier, C3R8", "QuantMLA C3R8 at C4R4's bytes: the latent's fourth bit spent on the "
+        "RoPE key (fits the INT3 content units; the INT8 RoPE units are job 40's)",
+        "not measured: a content fit (~40-60 min) + ~5 min",
+        ("experiment=smol_frontier", "precision=c3r8", "method=quantmla",
+         "method.calibration.seqlen=512")),
+    Job("Frontier, C3R8, RTN", "RTN C3R8 beside job 46's QuantMLA", "~3 min",
+        ("experiment=smol_frontier", "precision=c3r8")),
 )  # fmt: skip
 
 
