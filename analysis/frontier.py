@@ -226,8 +226,8 @@ def comparison_rows(records: list[dict]) -> list[list[str]]:
 
 
 def frontier(records: list[dict], out: Path, stem: str) -> list[Path]:
-    """Two panels over bytes per token (protection included): Δ perplexity per dataset, and the
-    attention-output NMSE; uniform formats labelled, mixed allocations as stars, per method."""
+    """Panels over bytes per token (protection included): Δ perplexity per dataset (symlog), and
+    the attention-output NMSE; uniform formats labelled, mixed allocations as stars, per method."""
     plt = pyplot()
     pts = points(records)
     ref = reference(pts)
@@ -252,7 +252,7 @@ def frontier(records: list[dict], out: Path, stem: str) -> list[Path]:
                     xs, ys, marker=marker, ls="-" if mixed else "none", color=colors.get(method, "k"),
                     ms=10 if mixed else 5, label=f"{method} {'mixed' if mixed else 'uniform'}",
                 )  # fmt: skip
-                if not mixed and method == "rtn":
+                if not mixed:
                     for p, x, y in zip(sel, xs, ys):
                         ax.annotate(
                             p.cache, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points"
@@ -262,6 +262,8 @@ def frontier(records: list[dict], out: Path, stem: str) -> list[Path]:
         )
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
+    for ax in axes[:-1]:  # Δ spans 0.01 % to hundreds: logarithmic past 0.1 %
+        ax.set_yscale("symlog", linthresh=0.1)
     axes[-1].set_yscale("log")
     axes[0].legend(fontsize=7)
     fig.suptitle(
