@@ -240,6 +240,14 @@ JOBS = (
          "method.calibration.seqlen=512")),
     Job("Frontier, C3R8, RTN", "RTN C3R8 beside job 46's QuantMLA", "~3 min",
         ("experiment=smol_frontier", "precision=c3r8")),
+    Job("Mixed QuantMLA over the INT8 keys", "per-layer allocations over QuantMLA's C2R4, C2R8, C3R4, "
+        "C3R8, C4R4 and C4R8 (every unit held after job 46) at C3R4's and C4R4's bytes, beside the "
+        "uniform formats there (job 32's allocator: the output error model, the joint check)",
+        "not measured: ~30 min a budget (the candidates' errors after the transforms, the check)",
+        ("experiment=smol_frontier", "method=quantmla", "precision=mixed",
+         "precision.budget_bytes=152,184", "precision.candidates=[c2r4,c2r8,c3r4,c3r8,c4r4,c4r8]",
+         "precision.allocation_error=output", "precision.joint_top=16",
+         "method.calibration.seqlen=512")),
 )  # fmt: skip
 
 
