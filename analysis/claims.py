@@ -406,6 +406,7 @@ def ruler_c4r4(records, experiment, answers=()) -> Verdict:
         gaps = [_ruler_gap(bf16, cell, t) for t in read]
         held = all(g <= RULER_WITHIN for g, _, _ in gaps)
         scores = " / ".join(f"{cell[f'ruler/{t}/avg']:.1f}" for t in read)
+        # 0.0 - g, not -g: no gap prints "+0.0", never "-0.0"
         return (
             f"{label} {scores}, "
             f"{' / '.join(f'{0.0 - g:+.1f} ± {e:.1f}' for g, e, _ in gaps)}{gaps[0][2]} points "
