@@ -18,7 +18,8 @@ METHOD_STYLE = {"rtn": "C7-", "smoothquant": "C2-", "quarot": "C0-", "quantmla":
 
 def layer_errors(records: list[dict]) -> dict[str, dict[str, np.ndarray]]:
     """precision → method → per-layer NMSE, of every quantized cell with per-layer values (one
-    model: the records' first; the latest record of a cell)."""
+    model: the records' first; the latest record of a cell; a mixed cache, one format per layer,
+    is no precision's row)."""
     found = [r for r in records if r["metrics"].get("nmse/attn_layers")]
     if not found:
         return {}
@@ -26,7 +27,7 @@ def layer_errors(records: list[dict]) -> dict[str, dict[str, np.ndarray]]:
     cells: dict[str, dict[str, tuple[str, np.ndarray]]] = {}
     for r in found:
         c = r["config"]
-        if c["model"]["name"] != model or c["precision"]["name"] == "bf16":
+        if c["model"]["name"] != model or c["precision"]["name"] in ("bf16", "mixed"):
             continue
         entry = (r.get("created", ""), np.asarray(r["metrics"]["nmse/attn_layers"], float))
         methods = cells.setdefault(c["precision"]["name"], {})

@@ -341,8 +341,12 @@ def test_layer_nmse_counts_each_methods_lowest_layers_and_draws(tmp_path):
         ),  # older: not shown
         _nmse_record("c2r4", "rtn", [1e-1, 2e-1, 3e-1]),
         _nmse_record("bf16", "rtn", [0.0, 0.0, 0.0]),
+        _nmse_record("mixed", "rtn", [1e-2, 1e-2, 1e-2]),  # a format per layer: no row
+        _nmse_record("cnvfp4re4m3t", "rtn", [1e-3, 1e-3, 1e-3]),
     ]
     rows = layer_nmse.layer_rows(records)
+    assert [r[:2] for r in rows if r[0] == "CNVFP4RE4M3T"] == [["CNVFP4RE4M3T", "RTN"]]
+    rows = [r for r in rows if r[0] != "CNVFP4RE4M3T"]  # an engine format has its row too
     assert [r[:2] for r in rows[1:]] == [["C4R4", "RTN"], ["C4R4", "QuaRot†"], ["C4R4", "QuantMLA"],
                                          ["C2R4", "RTN"]]  # fmt: skip
     rtn, quarot, ours, c2 = rows[1:]
