@@ -248,6 +248,14 @@ JOBS = (
          "precision.budget_bytes=152,184", "precision.candidates=[c2r4,c2r8,c3r4,c3r8,c4r4,c4r8]",
          "precision.allocation_error=output", "precision.joint_top=16",
          "method.calibration.seqlen=512")),
+    # job 21: on NVFP4 QuantMLA's transforms raise the output NMSE in 25 of 30 layers where on the
+    # INT formats they lower it in all 30; which path does it, each alone
+    Job("NVFP4 per path, QuantMLA", "which path raises QuantMLA's output error on nvfp4_ds_mla: its "
+        "NVFP4 latent alone (BF16 key) and its FP8 key alone (job 21's units: nothing fitted)",
+        "not measured: ~7 min a cell", ("experiment=smol_frontier", "precision=cnvfp4r16,c16re4m3t",
+                                        "method=quantmla", "method.calibration.seqlen=512")),
+    Job("NVFP4 per path, RTN", "... and the same caches without transforms", "~3 min a cell",
+        ("experiment=smol_frontier", "precision=cnvfp4r16,c16re4m3t")),
 )  # fmt: skip
 
 
