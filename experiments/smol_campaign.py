@@ -235,10 +235,10 @@ JOBS = (
     # moved to the RoPE key, the path that carries C4R4's loss here
     Job("Frontier, C3R8", "QuantMLA C3R8 at C4R4's bytes: the latent's fourth bit spent on the "
         "RoPE key (fits the INT3 content units; the INT8 RoPE units are job 40's)",
-        "not measured: a content fit (~40-60 min) + ~5 min",
+        "70 min: the INT3 content fit (capture 3, α search 2, 300 steps 61, partly shared), 5 min eval",
         ("experiment=smol_frontier", "precision=c3r8", "method=quantmla",
          "method.calibration.seqlen=512")),
-    Job("Frontier, C3R8, RTN", "RTN C3R8 beside job 46's QuantMLA", "~3 min",
+    Job("Frontier, C3R8, RTN", "RTN C3R8 beside job 46's QuantMLA", "3 min",
         ("experiment=smol_frontier", "precision=c3r8")),
     Job("Mixed QuantMLA over the INT8 keys", "per-layer allocations over QuantMLA's C2R4, C2R8, C3R4, "
         "C3R8, C4R4 and C4R8 (every unit held after job 46) at C3R4's and C4R4's bytes, beside the "
