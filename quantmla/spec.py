@@ -24,17 +24,24 @@ FP8_FORMATS = {"e4m3": (4, 3), "e5m2": (5, 2)}
 class EngineFormat:
     """A cache format production engines ship, with its own blocks and scale encoding (the spec's
     group size and metadata dtypes do not apply): `block` elements share `scale_bytes` of scale
-    (block None: the whole path vector of a token)."""
+    (block None: the whole path vector of a token). `fixed_range`: no scale follows the values'
+    magnitude (a tensor scale fixed at 1.0), so their codes cover a fixed window of magnitudes
+    (E4M3's, with its subnormal floor) and a transform must keep the path at the model's own."""
 
     bits: int
     block: int | None
     scale_bytes: int
     what: str
+    fixed_range: bool = False
 
 
 ENGINE_FORMATS = {
-    "e4m3t": EngineFormat(8, None, 0, "FP8 E4M3, static tensor scale 1.0 (vLLM `fp8` by default)"),
-    "nvfp4": EngineFormat(4, 16, 1, "E2M1 values, an E4M3 scale per 16, tensor scale 1.0"),
+    "e4m3t": EngineFormat(
+        8, None, 0, "FP8 E4M3, static tensor scale 1.0 (vLLM `fp8` by default)", fixed_range=True
+    ),
+    "nvfp4": EngineFormat(
+        4, 16, 1, "E2M1 values, an E4M3 scale per 16, tensor scale 1.0", fixed_range=True
+    ),
     "mxfp4": EngineFormat(4, 32, 1, "E2M1 values, an E8M0 (power of two) scale per 32"),
     "lm4": EngineFormat(
         4,
@@ -138,6 +145,19 @@ class QuantizerSpec:
         """Every quantized path in integer codes: what the packed cache and its kernels hold."""
         return not self.fp8
 
+    def path_format(self, path: str) -> tuple[int, str]:
+        """(bits, format) of 'content' or 'rope'."""
+        if path == "content":
+            return self.content_bits, self.content_format
+        return self.rope_bits, self.rope_format
+
+    def fixed_range(self, path: str) -> bool:
+        """Whether `path` ('content' or 'rope') is quantized in a format whose codes cover a
+        fixed window of magnitudes (`EngineFormat.fixed_range`): its transform sets its scale."""
+        bits, fmt = self.path_format(path)
+        engine = ENGINE_FORMATS.get(fmt)
+        return bits < UNQUANTIZED_BITS and engine is not None and engine.fixed_range
+
     @property
     def engine(self) -> bool:
         """A path in an engine format (bytes as that engine lays them out, no padding of ours)."""
@@ -187,11 +207,7 @@ class QuantizerSpec:
     def path_key(self, path: str) -> str | None:
         """What fixes one path's codes ('content' or 'rope'; None where it is not quantized): its
         format and bits, and for group formats the group size and metadata dtype."""
-        bits, fmt = (
-            (self.content_bits, self.content_format)
-            if path == "content"
-            else (self.rope_bits, self.rope_format)
-        )
+        bits, fmt = self.path_format(path)
         if bits >= UNQUANTIZED_BITS:
             return None
         if fmt in ENGINE_FORMATS:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from quantmla.calibration.objectives import content_qdq
 from quantmla.errors import ConfigError
 from quantmla.memory import LAYOUTS, layout
 from quantmla.quant import (
@@ -18,6 +19,7 @@ from quantmla.quant import (
     qdq_rope,
 )
 from quantmla.spec import QuantizerSpec
+from quantmla.transforms import latent_magnitude
 from tests.test_fp8_quant import reference_round, representable
 
 
@@ -124,6 +126,37 @@ def test_engine_formats_carry_gradients_for_calibration(precision):
     (qdq_content(spec, x, ste=True).sum() + qdq_rope(spec, k, ste=True).square().sum()).backward()
     assert torch.equal(qdq_content(spec, x, ste=True), qdq_content(spec, x))
     assert x.grad.abs().sum() > 0 and torch.isfinite(x.grad).all() and torch.isfinite(k.grad).all()
+
+
+@pytest.mark.parametrize(
+    "precision", ["c4r16", "c2r16", "ce4m3r16", "cmxfp4r16", "clm4r16", "cnvfp4r16", "ce4m3tr16"]
+)
+def test_the_latents_magnitude_changes_only_the_fixed_range_formats(precision):
+    """A content transform's scale times a power of two dequantizes bit for bit alike where the
+    format's scales follow the values; NVFP4 and tensor-scale FP8 instead depend on it: at the
+    weightless-normalised u of a latent with Γ ≈ 1000 (SmolLM2-MLA's) their codes fall into E4M3's
+    subnormals, and `latent_magnitude(Γ)` brings the error back to RTN's on c itself."""
+    spec = QuantizerSpec.from_precision(precision)
+    g = torch.Generator().manual_seed(0)
+    gamma = 1000 * (1 + 0.01 * torch.randn(256, generator=g, dtype=torch.float64))
+    c = torch.randn(512, 256, generator=g, dtype=torch.float64)  # the cached latent, RMS ≈ 1
+    eye, ones = torch.eye(256, dtype=torch.float64), torch.ones(256, dtype=torch.float64)
+    m = latent_magnitude(gamma)
+    assert m == 1024.0
+    at_u, at_c = (content_qdq(c, gamma, eye, s, spec) for s in (ones, m * ones))
+    error = lambda x: float(((x - c) ** 2).sum() / (c**2).sum())  # noqa: E731
+    assert spec.fixed_range("content") == (precision in ("cnvfp4r16", "ce4m3tr16"))
+    if not spec.fixed_range("content"):
+        assert torch.equal(at_u, at_c)
+    else:
+        rtn = error(qdq_content(spec, c))
+        assert error(at_u) > 5 * rtn and error(at_c) < 1.05 * rtn
+
+
+def test_latent_magnitude_is_the_nearest_power_of_two_of_the_geometric_mean():
+    assert latent_magnitude(torch.tensor([1.0, 4.0])) == 2.0
+    assert latent_magnitude(torch.tensor([-3.0, 3.0])) == 4.0  # log2 3 = 1.58
+    assert latent_magnitude(torch.full((8,), 0.7)) == 0.5
 
 
 def test_engine_format_bytes_are_the_engines():

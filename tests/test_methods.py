@@ -272,3 +272,34 @@ def test_a_stopped_calibration_resumes_where_it_stopped(ctx, tmp_path, monkeypat
         assert torch.equal(a.rope.angles, b.rope.angles) and torch.equal(
             a.rope.scales, b.rope.scales
         )
+
+
+def test_every_method_keeps_the_cache_at_the_latents_magnitude(ctx, monkeypatch):
+    """With the latent norm's Γ ≈ 1000 (SmolLM2-MLA's conversion) each method's content scales
+    have geometric mean latent_magnitude(Γ) = 1024, so z_C sits where c does; QuaRot† still fuses
+    exactly; QuantMLA's scales start there and are clipped relative to it."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(ctx.model.config).eval()
+    adapter = get_adapter(model.config)
+    modules = adapter.attention_modules(model)
+    with torch.no_grad():
+        for m in modules:
+            m.kv_a_layernorm.weight.mul_(1000)
+    patch_model(model, "bf16")
+    probe = EquivalenceProbe(torch.randint(0, 128, (2, 40))).capture(model, modules)
+    result = quarot(MethodJob(modules, C4R4))
+    assert all(torch.all(t.content.scale == 1024.0) for t in result.layers)
+    apply_method(model, adapter, result)  # float32 rounding: 1.3e-5 at unit scales too
+    assert probe.check(model, modules)["max_layer_rel_error"] < 3e-5
+
+    gamma = ctx.gamma
+    monkeypatch.setattr(ctx, "gamma", lambda layer: 1000 * gamma(layer))
+    init, _ = alpha_search(ctx, C4R4, [0.5, 1.0])
+    for t in init:
+        assert float(t.content.scale.log2().mean()) == pytest.approx(10.0, abs=1e-9)
+    params = QuantMLACalibration(ctx, init, C4R4, CalibrationConfig(steps=1)).layers[0]
+    assert params.magnitude == 1024.0
+    assert torch.allclose(params.content()[1].double(), init[0].content.scale, rtol=1e-5)
+    with torch.no_grad():
+        params.log_content_scale.fill_(5.0)
+    assert torch.allclose(params.content()[1], torch.tensor(1024 * torch.e**2))

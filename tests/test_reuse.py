@@ -11,7 +11,7 @@ from quantmla.config import CalibrationConfig
 from quantmla.errors import ConfigError
 from quantmla.methods.base import MethodJob, save_artifact
 from quantmla.methods.quantmla_method import quantmla
-from quantmla.methods.reuse import Unit, assemble, needed_units, saved_units
+from quantmla.methods.reuse import MAGNITUDE, Unit, assemble, needed_units, saved_units
 from quantmla.methods.smoothquant import smoothquant
 from quantmla.spec import QuantizerSpec
 from tests.conftest import fit_stopped_at, needs_tiny, run_config, tiny_job
@@ -118,6 +118,24 @@ def test_saved_units_match_on_the_path_and_the_shared_settings(tmp_path, c2r4_fi
     assert result.layers[0].rope is None and result.layers[1].content is None
     assert_same(result.layers[1].rope, c2r4_fit.layers[1].rope)
     assert result.report["reused"] == {"a.safetensors": ["0/content", "1/rope"]}
+
+
+def test_fixed_range_content_units_need_the_latents_magnitude(tmp_path, c2r4_fit):
+    """An NVFP4 content unit fitted before the content scales started at the latent's magnitude
+    (no `content_magnitude` in its artifact) is not taken; its FP8 RoPE units are, as are both
+    from an artifact that says so."""
+    nvfp4, latent, key = (QuantizerSpec.from_precision(p) for p in ("cnvfp4re4m3t", "cnvfp4r16", "c16re4m3t"))  # fmt: skip
+    shared = {"model": "m", "method": "quantmla", "seed": "0", "calibration": "{}"}
+    mine = {**shared, "precision": nvfp4.precision, "quantizer": nvfp4.key}
+    save_artifact(dataclasses.replace(c2r4_fit, metadata=mine), tmp_path / "a.safetensors")
+    wanted = {**shared, **MAGNITUDE}
+    assert saved_units(tmp_path, wanted, [latent, latent]) == {}
+    assert set(saved_units(tmp_path, wanted, [key, key])) == {(0, "rope"), (1, "rope")}
+    save_artifact(
+        dataclasses.replace(c2r4_fit, metadata={**mine, **MAGNITUDE}), tmp_path / "b.safetensors"
+    )
+    units = saved_units(tmp_path, wanted, [latent, latent])
+    assert {u.source for u in units.values()} == {"b.safetensors"} and len(units) == 2
 
 
 @needs_tiny

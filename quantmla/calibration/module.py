@@ -1,8 +1,8 @@
 """QuantMLA calibration as one Lightning fit over all layers (docs/method.md §4).
 
 Trainable parameters are the transforms only: per layer a Cayley parameter P (R_C = cayley(P),
-identity at P = 0) and log s_C; per RoPE pair an angle θ_i and log s_i. Scales are
-exp(clip(log s, −2, 2)). Each step, every layer computes its two path-isolated objectives on the
+identity at P = 0) and log(s_C / m), m the latent's magnitude (`latent_magnitude`); per RoPE pair
+an angle θ_i and log s_i. Scales are m·exp(clip(log(s_C / m), −2, 2)) and exp(clip(log s_i, −2, 2)). Each step, every layer computes its two path-isolated objectives on the
 same batch of calibration sequences (content: normalised post-o_proj output MSE with RoPE exact;
 RoPE: normalised positional-QK error over all causal pairs and heads with content exact, or with
 `rope_objective=output` the output MSE with the RoPE path alone quantized; with `rope_positions`
@@ -34,7 +34,13 @@ from quantmla.calibration.objectives import (
 from quantmla.config import CalibrationConfig
 from quantmla.metrics import nmse
 from quantmla.spec import PATHS, QuantizerSpec, layer_spec
-from quantmla.transforms import ContentTransform, LayerTransforms, RopeTransform, cayley
+from quantmla.transforms import (
+    ContentTransform,
+    LayerTransforms,
+    RopeTransform,
+    cayley,
+    latent_magnitude,
+)
 
 LOG_SCALE_CLIP = 2.0
 
@@ -42,19 +48,19 @@ LOG_SCALE_CLIP = 2.0
 class LayerParameters(nn.Module):
     """One layer's learnable content and RoPE transforms."""
 
-    def __init__(self, init: LayerTransforms, d_c: int, d_r: int):
+    def __init__(self, init: LayerTransforms, d_c: int, d_r: int, magnitude: float):
         super().__init__()
-        s_c = init.content.scale if init.content is not None else torch.ones(d_c)
+        self.magnitude = magnitude  # a plain float: a checkpoint's parameters are relative to it
+        s_c = init.content.scale if init.content is not None else torch.full((d_c,), magnitude)
         s_p = init.rope.scales if init.rope is not None else torch.ones(d_r // 2)
         self.cayley = nn.Parameter(torch.zeros(d_c, d_c))
-        self.log_content_scale = nn.Parameter(s_c.float().log())
+        self.log_content_scale = nn.Parameter((s_c.double() / magnitude).log().float())
         self.angles = nn.Parameter(torch.zeros(d_r // 2))
         self.log_rope_scale = nn.Parameter(s_p.float().log())
 
     def content(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return cayley(self.cayley), self.log_content_scale.clamp(
-            -LOG_SCALE_CLIP, LOG_SCALE_CLIP
-        ).exp()
+        relative = self.log_content_scale.clamp(-LOG_SCALE_CLIP, LOG_SCALE_CLIP).exp()
+        return cayley(self.cayley), relative * self.magnitude
 
     def rope(self) -> RopeTransform:
         return RopeTransform(
@@ -99,8 +105,10 @@ class QuantMLACalibration(L.LightningModule):
         self.init_report = init_report
         self.fixed = fixed or {}
         self.layers = nn.ModuleList(
-            LayerParameters(t, m.kv_lora_rank, m.qk_rope_head_dim)
-            for t, m in zip(init, ctx.modules)
+            LayerParameters(
+                t, m.kv_lora_rank, m.qk_rope_head_dim, latent_magnitude(ctx.gamma(layer))
+            )
+            for layer, (t, m) in enumerate(zip(init, ctx.modules))
         )
         self.best = [
             {path: self._fixed_entry(layer, path) or (float("inf"), None, -1) for path in PATHS}

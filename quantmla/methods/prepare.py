@@ -20,7 +20,7 @@ from quantmla.config import CALIBRATION_HASH_NEUTRAL, calibration_seqlen
 from quantmla.data import calibration_split, load_text, tokenize
 from quantmla.methods.base import ArtifactMismatchError, MethodJob, load_artifact, save_artifact
 from quantmla.methods.registry import METHODS
-from quantmla.methods.reuse import assemble, needed_units, reuse_report, saved_units
+from quantmla.methods.reuse import MAGNITUDE, assemble, needed_units, reuse_report, saved_units
 from quantmla.models.capture import capture_inputs
 from quantmla.spec import QuantizerSpec
 from quantmla.tracking.store import stable_hash
@@ -58,6 +58,7 @@ def artifact_metadata(
 ) -> dict[str, str]:
     """What an artifact is valid for; a mixed allocation names every layer's spec."""
     uniform = len(set(specs)) == 1
+    fixed_range = any(s.fixed_range("content") for s in specs)
     return {
         "model": cfg.model.path,
         "model_config_hash": stable_hash(model.config.to_dict(), 16),
@@ -72,6 +73,7 @@ def artifact_metadata(
         "calibration": json.dumps(
             fit_settings(cfg.method.calibration), sort_keys=True, default=list
         ),
+        **(MAGNITUDE if fixed_range else {}),  # (others keep the keys they had before it)
     }
 
 

@@ -20,6 +20,11 @@ from quantmla.spec import PATHS, QuantizerSpec
 from quantmla.transforms import ContentTransform, LayerTransforms, RopeTransform
 
 PER_RUN = ("precision", "quantizer")  # artifact metadata a unit does not depend on
+# An artifact with a content path in a fixed-range format (`QuantizerSpec.fixed_range`) says that
+# its content scales start at the latent's magnitude (`latent_magnitude`); earlier content units
+# of such a format were fitted at u's (~1/Γ: an NVFP4 latent in E4M3's subnormals) and are not
+# taken. Other formats dequantize alike at either magnitude: their units are taken from any fit.
+MAGNITUDE = {"content_magnitude": "latent"}
 PATH_SETTINGS = {"rope_objective": "rope", "rope_positions": "rope"}  # shape one path's units only
 
 
@@ -64,7 +69,8 @@ def saved_units(directory: Path, expected: dict[str, str], specs: list[Quantizer
     from safetensors import safe_open
 
     wanted, found = needed_units(specs), {}
-    shared = {k: str(v) for k, v in expected.items() if k not in (*PER_RUN, "calibration")}
+    skipped = (*PER_RUN, "calibration", *MAGNITUDE)
+    shared = {k: str(v) for k, v in expected.items() if k not in skipped}
     for file in sorted(Path(directory).glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
             metadata = f.metadata() or {}
@@ -78,10 +84,14 @@ def saved_units(directory: Path, expected: dict[str, str], specs: list[Quantizer
             == _path_settings(expected["calibration"], p)
             for p in PATHS
         }
+        magnitude = all(metadata.get(k) == v for k, v in MAGNITUDE.items())
         held = [
             (layer, p)
             for (layer, p), key in wanted.items()
-            if (layer, p) not in found and settled[p] and theirs[layer].path_key(p) == key
+            if (layer, p) not in found
+            and settled[p]
+            and theirs[layer].path_key(p) == key
+            and (magnitude or p != "content" or not specs[layer].fixed_range(p))
         ]
         if not held:
             continue

@@ -1,7 +1,8 @@
 """SmoothQuant† (docs/method.md §4): per-channel scales from 99.9th-percentile statistics, α chosen per path
 on held-out normalised attention-output MSE with the other path exact. Also QuantMLA's initialiser.
 
-Choices: scales are normalised to unit geometric mean (s_j = ã_j^−α / geomean(ã^−α)); the RoPE
+Choices: scales are normalised to unit geometric mean (s_j = ã_j^−α / geomean(ã^−α)), the content
+path's then times the latent's magnitude (`latent_magnitude`: z_C stays at c's scale); the RoPE
 statistic of a pair is the 99.9th percentile of the pair's norm √(a²+b²), rotation-invariant,
 so the same before and after RoPE.
 """
@@ -17,7 +18,12 @@ from quantmla.methods.base import MethodJob, MethodResult
 from quantmla.methods.reuse import reuse_report, with_units
 from quantmla.metrics import RunningNMSE
 from quantmla.spec import PATHS, QuantizerSpec, layer_spec
-from quantmla.transforms import ContentTransform, LayerTransforms, RopeTransform
+from quantmla.transforms import (
+    ContentTransform,
+    LayerTransforms,
+    RopeTransform,
+    latent_magnitude,
+)
 
 
 def scales_from_statistics(stat: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -82,7 +88,8 @@ def alpha_search(
                 scales = scales_from_statistics(statistics[path], alpha)
                 if path == "content":
                     t = ContentTransform(
-                        torch.eye(module.kv_lora_rank, dtype=torch.float64), scales
+                        torch.eye(module.kv_lora_rank, dtype=torch.float64),
+                        scales * latent_magnitude(ctx.gamma(layer)),
                     )
                     loss = heldout_output_nmse(ctx, layer, own, content=t, batches=heldout)
                 else:

@@ -6,6 +6,7 @@ from quantmla.transforms.core import (
     RopeTransform,
     cayley,
     hadamard,
+    latent_magnitude,
     pair_indices,
     pair_matrix,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "fuse_content",
     "fuse_rope",
     "hadamard",
+    "latent_magnitude",
     "pair_indices",
     "pair_matrix",
 ]

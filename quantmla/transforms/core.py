@@ -2,7 +2,9 @@
 
 Content path: cache `z_C = u R_C S_C` (u the weightless-normalised latent, R_C orthogonal,
 S_C = diag(s_C) > 0); every consumer W of the native cache c = uΓ becomes W Γ R_C S_C⁻¹ (as a
-(out, in) Linear weight), so z_C W̃ᵀ = c Wᵀ exactly.
+(out, in) Linear weight), so z_C W̃ᵀ = c Wᵀ exactly. Every method's s_C starts at the latent's own
+magnitude (`latent_magnitude`), not at u's: the formats without a scale that follows the values
+(vLLM's `fp8` and `nvfp4_ds_mla`, tensor scale 1.0) see the cache at the model's magnitude.
 RoPE path: per frequency pair i a rotation R_i ∈ SO(2) (angle θ_i) and a scale s_i; key
 k_R R_P S_P and query q_R R_P S_P⁻¹ leave every positional score unchanged and commute with the
 positional rotation of the same pair, so both fold into the pre-RoPE projections.
@@ -49,6 +51,13 @@ def cayley(params: torch.Tensor) -> torch.Tensor:
     skew = params - params.transpose(-1, -2)
     eye = torch.eye(params.shape[-1], dtype=params.dtype, device=params.device)
     return torch.linalg.solve(eye + skew, eye - skew, left=False)
+
+
+def latent_magnitude(gamma: torch.Tensor) -> float:
+    """The power of two nearest the geometric mean of |Γ| (the latent norm's weight): the scale
+    that keeps z_C = u R_C S_C at the magnitude of c = uΓ. A power of two, so that a format whose
+    scales follow the values dequantizes exactly as at unit magnitude (only its range changes)."""
+    return 2.0 ** round(gamma.detach().abs().double().log2().mean().item())
 
 
 def hadamard(dim: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
