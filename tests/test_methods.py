@@ -303,3 +303,28 @@ def test_every_method_keeps_the_cache_at_the_latents_magnitude(ctx, monkeypatch)
     with torch.no_grad():
         params.log_content_scale.fill_(5.0)
     assert torch.allclose(params.content()[1], torch.tensor(1024 * torch.e**2))
+
+
+@pytest.mark.parametrize("precision", ["c2r4", "cmxfp4r16", "cnvfp4r16"])
+def test_the_magnitude_changes_a_fused_bf16_model_only_in_fixed_range_formats(ctx, precision):
+    """QuaRot† fused into a BF16 model with Γ ≈ 1000, its content scales at latent_magnitude(Γ)
+    or at 1: the quantized model's logits are bit for bit alike where the format's scales follow
+    the values (a power of two moves no mantissa through fusion or the cache) and not on NVFP4."""
+    spec, x = QuantizerSpec.from_precision(precision), torch.randint(0, 128, (2, 200))
+    logits = []
+    for unit in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(ctx.model.config).eval().to(torch.bfloat16)
+        adapter = get_adapter(model.config)
+        modules = adapter.attention_modules(model)
+        with torch.no_grad():
+            for m in modules:
+                m.kv_a_layernorm.weight.mul_(1000)
+        patch_model(model, precision, sink=1, recent=2)
+        result = quarot(MethodJob(modules, spec))
+        for t in result.layers if unit else ():
+            t.content.scale = torch.ones_like(t.content.scale)
+        apply_method(model, adapter, result)
+        with torch.no_grad():
+            logits.append(model(x).logits)
+    assert torch.equal(*logits) == (not spec.fixed_range("content"))
