@@ -266,6 +266,14 @@ JOBS = (
         "on the RoPE key) retrieves S-NIAH-1/2/3 within 5 points of BF16 where C4R4 lost S-NIAH-3 "
         "(jobs 46 and 40's units: nothing fitted)", "not measured: ~1.2 h as job 41",
         ("experiment=smol_fig4_ruler", "precision=c3r8", "method=quantmla")),
+    # issue #40 item 4 asks for every frontier format with and without QuantMLA's transforms; job
+    # 21 covers C2R4, NVFP4, MXFP4 and Lloyd-Max, these the 8-bit ones (vLLM's fp8 became
+    # meaningful with e08bd5a: its tensor scale 1.0 needs the latent's magnitude)
+    Job("Frontier, 8-bit formats, QuantMLA", "QuantMLA on vLLM fp8 (E4M3 at tensor scale 1.0 on "
+        "both paths), grouped E4M3 with a BF16 key (fp8_ds_mla's values) and C8R8",
+        "not measured: a content fit each (~1 h), the RoPE units held (job 21's E4M3, job 40's INT8)",
+        ("experiment=smol_frontier", "precision=ce4m3tre4m3t,ce4m3r16,c8r8", "method=quantmla",
+         "method.calibration.seqlen=512")),
 )  # fmt: skip
 
 
