@@ -83,7 +83,7 @@ def answer_rows(records: list[dict]) -> list[list[str]]:
                     changed = f"{int((exact < ref_exact).sum())} / {int((exact > ref_exact).sum())}"
                 rows.append([
                     task.upper().replace("_", "-"), precision.upper(),
-                    "—" if method is None else LABEL[method], f"{100 * exact.mean():.1f}",
+                    "—" if method is None else LABEL[method], f"{copied(record, task):.1f}",
                     f"{loglik.mean():.3f}", delta, below, changed,
                 ])  # fmt: skip
     return rows
