@@ -256,10 +256,12 @@ JOBS = (
     # are fitted again here (the FP8 key's are job 21's)
     Job("NVFP4 per path, QuantMLA", "which path raises QuantMLA's output error on nvfp4_ds_mla: its "
         "NVFP4 latent alone (BF16 key) and its FP8 key alone; the latent's units fitted at the "
-        "latent's magnitude", "not measured: the NVFP4 content fit, then ~7 min a cell",
+        "latent's magnitude", "47 min: the NVFP4 content fit (capture 4, α search 2, 300 steps 37), "
+        "then 3-7 min a cell",
         ("experiment=smol_frontier", "precision=cnvfp4r16,c16re4m3t", "method=quantmla",
          "method.calibration.seqlen=512")),
-    Job("NVFP4 per path, RTN", "... and the same caches without transforms", "~3 min a cell",
+    Job("NVFP4 per path, RTN", "... and the same caches without transforms",
+        "4-9 min a cell (beside other work)",
         ("experiment=smol_frontier", "precision=cnvfp4r16,c16re4m3t")),
     # job 46: QuantMLA C3R8 beats C4R4 at its bytes in perplexity; retrieval is where C4R4 lost
     Job("RULER through vLLM, C3R8", "whether QuantMLA C3R8 (C4R4's bytes: the latent's fourth bit "
