@@ -2,9 +2,10 @@
 
 Trainable parameters are the transforms only: per layer a Cayley parameter P (R_C = cayley(P),
 identity at P = 0) and log(s_C / m), m the latent's magnitude (`latent_magnitude`); per RoPE pair
-an angle θ_i and log s_i. Scales are m·exp(clip(log(s_C / m), −2, 2)) and exp(clip(log s_i, −2, 2)). Each step, every layer computes its two path-isolated objectives on the
-same batch of calibration sequences (content: normalised post-o_proj output MSE with RoPE exact;
-RoPE: normalised positional-QK error over all causal pairs and heads with content exact, or with
+an angle θ_i and log s_i. Scales are m·exp(clip(log(s_C / m), −2, 2)) and exp(clip(log s_i, −2, 2)).
+Each step, every layer computes its two path-isolated objectives on the same batch of calibration
+sequences (content: normalised post-o_proj output MSE with RoPE exact; RoPE: normalised
+positional-QK error over all causal pairs and heads with content exact, or with
 `rope_objective=output` the output MSE with the RoPE path alone quantized; with `rope_positions`
 each sequence's RoPE query and key moved to a seeded start position), with a
 straight-through estimator on rounding and no BF16 protection. Layers and paths share no

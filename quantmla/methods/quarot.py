@@ -1,6 +1,7 @@
-"""QuaRot† (docs/method.md §4): a fixed normalised Hadamard H_C on the content latent in weightless-normalised
-coordinates (fused offline: z_C = u H_C · m, m = `latent_magnitude(Γ)`, Γ moved to the consumers) and a fixed
-post-RoPE Hadamard H_P on the positional query and key, run online by the simulator."""
+"""QuaRot† (docs/method.md §4): a fixed normalised Hadamard H_C on the content latent in
+weightless-normalised coordinates (fused offline: z_C = u H_C · m, m = `latent_magnitude(Γ)`, Γ moved
+to the consumers) and a fixed post-RoPE Hadamard H_P on the positional query and key, run online by
+the simulator."""
 
 from __future__ import annotations
 
