@@ -83,13 +83,14 @@ def alpha_search(
         if searched:
             statistics = dict(zip(PATHS, ctx.channel_statistics(layer)))
             heldout = [ctx.project(layer, index) for index in ctx.heldout.split(batch_size)]
+            magnitude = latent_magnitude(ctx.gamma(layer))
         for path in searched:
             for alpha in sorted(alphas):
                 scales = scales_from_statistics(statistics[path], alpha)
                 if path == "content":
                     t = ContentTransform(
                         torch.eye(module.kv_lora_rank, dtype=torch.float64),
-                        scales * latent_magnitude(ctx.gamma(layer)),
+                        scales * magnitude,
                     )
                     loss = heldout_output_nmse(ctx, layer, own, content=t, batches=heldout)
                 else:
