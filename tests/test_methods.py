@@ -274,17 +274,24 @@ def test_a_stopped_calibration_resumes_where_it_stopped(ctx, tmp_path, monkeypat
         )
 
 
-def test_every_method_keeps_the_cache_at_the_latents_magnitude(ctx, monkeypatch):
-    """With the latent norm's Γ ≈ 1000 (SmolLM2-MLA's conversion) each method's content scales
-    have geometric mean latent_magnitude(Γ) = 1024, so z_C sits where c does; QuaRot† still fuses
-    exactly; QuantMLA's scales start there and are clipped relative to it."""
+def latent_at_1000(ctx, dtype):
+    """A fresh seeded model of ctx's config in `dtype`, its latent norms' Γ times 1000 (as
+    SmolLM2-MLA's conversion leaves them): (model, adapter, MLA modules)."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(ctx.model.config).eval()
+    model = AutoModelForCausalLM.from_config(ctx.model.config).eval().to(dtype)
     adapter = get_adapter(model.config)
     modules = adapter.attention_modules(model)
     with torch.no_grad():
         for m in modules:
             m.kv_a_layernorm.weight.mul_(1000)
+    return model, adapter, modules
+
+
+def test_every_method_keeps_the_cache_at_the_latents_magnitude(ctx, monkeypatch):
+    """With the latent norm's Γ ≈ 1000 (SmolLM2-MLA's conversion) each method's content scales
+    have geometric mean latent_magnitude(Γ) = 1024, so z_C sits where c does; QuaRot† still fuses
+    exactly; QuantMLA's scales start there and are clipped relative to it."""
+    model, adapter, modules = latent_at_1000(ctx, torch.float32)
     patch_model(model, "bf16")
     probe = EquivalenceProbe(torch.randint(0, 128, (2, 40))).capture(model, modules)
     result = quarot(MethodJob(modules, C4R4))
@@ -313,13 +320,7 @@ def test_the_magnitude_changes_a_fused_bf16_model_only_in_fixed_range_formats(ct
     spec, x = QuantizerSpec.from_precision(precision), torch.randint(0, 128, (2, 200))
     logits = []
     for unit in (False, True):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(ctx.model.config).eval().to(torch.bfloat16)
-        adapter = get_adapter(model.config)
-        modules = adapter.attention_modules(model)
-        with torch.no_grad():
-            for m in modules:
-                m.kv_a_layernorm.weight.mul_(1000)
+        model, adapter, modules = latent_at_1000(ctx, torch.bfloat16)
         patch_model(model, precision, sink=1, recent=2)
         result = quarot(MethodJob(modules, spec))
         for t in result.layers if unit else ():
