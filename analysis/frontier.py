@@ -18,8 +18,11 @@ from analysis.common import pyplot, save
 from analysis.probes import spearman
 from quantmla.config import ALLOCATION_ERRORS
 from quantmla.memory import ENGINE_PRECISIONS
+from quantmla.spec import UNQUANTIZED_BITS, QuantizerSpec
 
 ENGINE_NAMES = {p: name for name, p in ENGINE_PRECISIONS.items()}  # cnvfp4re4m3t → nvfp4_ds_mla
+# Caches that keep the RoPE key in BF16 as an engine does (TurboQuant's, fp8_ds_mla's values)
+BF16_KEY_CACHES = {ENGINE_PRECISIONS["turboquant4"], "ce4m3r16"}
 
 # precision.allocation_error → its label (the others are their own)
 ERROR_MODELS = {m: {"response": "R × NMSE"}.get(m, m) for m in ALLOCATION_ERRORS}
@@ -41,6 +44,15 @@ class Point:
     @property
     def mixed(self) -> bool:
         return self.cache.startswith("mixed")
+
+    @property
+    def per_path(self) -> bool:
+        """One path quantized, the other at 16 bits, in no engine's layout: a diagnostic that
+        splits a format's error by path (nvfp4_ds_mla's as cnvfp4r16 and c16re4m3t)."""
+        if self.mixed or self.cache == "bf16" or self.cache in BF16_KEY_CACHES:
+            return False
+        spec = QuantizerSpec.from_precision(self.cache)
+        return UNQUANTIZED_BITS in (spec.content_bits, spec.rope_bits)
 
 
 def _narrower(own: list[str], union: set[str]) -> str:
@@ -227,9 +239,10 @@ def comparison_rows(records: list[dict]) -> list[list[str]]:
 
 def frontier(records: list[dict], out: Path, stem: str) -> list[Path]:
     """Panels over bytes per token (protection included): Δ perplexity per dataset (symlog), and
-    the attention-output NMSE; uniform formats labelled, mixed allocations as stars, per method."""
+    the attention-output NMSE; uniform formats labelled, mixed allocations as stars, per method.
+    Per-path diagnostics are left to the table: they are no cache one would deploy."""
     plt = pyplot()
-    pts = points(records)
+    pts = [p for p in points(records) if not p.per_path]
     ref = reference(pts)
     datasets = list(ref.ppl)
     fig, axes = plt.subplots(1, len(datasets) + 1, figsize=(4.2 * (len(datasets) + 1), 3.6))

@@ -11,6 +11,7 @@ from analysis import frontier
 CANDIDATES = ["c2r4", "c4r4", "bf16"]
 ERRORS = [[4.0, 1.0, 0.0], [2.0, 0.5, 0.0]]  # (2 layers, 3 candidates)
 BYTES = {"c2r4": 120, "c4r4": 184, "bf16": 640}
+BYTES |= {"c16re4m3t": 576, "cnvfp4r16": 272, "clm4r16": 258, "ce4m3r16": 400}
 
 
 def record(
@@ -118,6 +119,13 @@ def test_pairs_and_rank_agreement():
 def test_a_frontier_needs_its_bf16_record():
     with pytest.raises(SystemExit, match="BF16"):
         frontier.frontier_rows(RECORDS[1:])
+
+
+def test_per_path_diagnostics_are_the_one_path_caches_no_engine_lays_out():
+    names = ["c16re4m3t", "cnvfp4r16", "clm4r16", "ce4m3r16", "c2r4", "bf16"]
+    pts = frontier.points([record(n) for n in names] + [RECORDS[-1]])
+    diagnostic = {p.cache for p in pts if p.per_path}
+    assert diagnostic == {"c16re4m3t", "cnvfp4r16"}  # TurboQuant's and fp8_ds_mla's keep BF16 keys
 
 
 def test_figure_is_drawn(tmp_path):
