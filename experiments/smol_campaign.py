@@ -276,6 +276,13 @@ JOBS = (
         "not measured: a content fit each (~1 h), the RoPE units held (job 21's E4M3, job 40's INT8)",
         ("experiment=smol_frontier", "precision=ce4m3tre4m3t,ce4m3r16,c8r8", "method=quantmla",
          "method.calibration.seqlen=512")),
+    # since e08bd5a the baselines' content scales start at the latent's magnitude too, so their
+    # cells on the engines' 4-bit and fixed-range formats mean what QuantMLA's beside them do
+    Job("Frontier, engine formats, SmoothQuant† and QuaRot†", "the two baselines on vLLM fp8, "
+        "nvfp4_ds_mla and MXFP4 beside RTN's and QuantMLA's cells (item 4's transforms other than "
+        "QuantMLA's)", "not measured: an α search (~2-4 min) and 3-7 min a cell",
+        ("experiment=smol_frontier", "precision=cnvfp4re4m3t,cmxfp4rmxfp4,ce4m3tre4m3t",
+         "method=smoothquant,quarot")),
 )  # fmt: skip
 
 
