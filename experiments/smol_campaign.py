@@ -278,11 +278,14 @@ JOBS = (
          "method.calibration.seqlen=512")),
     # since e08bd5a the baselines' content scales start at the latent's magnitude too, so their
     # cells on the engines' 4-bit and fixed-range formats mean what QuantMLA's beside them do
-    Job("Frontier, engine formats, SmoothQuant† and QuaRot†", "the two baselines on vLLM fp8, "
-        "nvfp4_ds_mla and MXFP4 beside RTN's and QuantMLA's cells (item 4's transforms other than "
-        "QuantMLA's)", "not measured: an α search (~2-4 min) and 3-7 min a cell",
+    Job("Frontier, engine formats, SmoothQuant†", "SmoothQuant† on vLLM fp8, nvfp4_ds_mla and "
+        "MXFP4 beside RTN's and QuantMLA's cells (item 4's transforms other than QuantMLA's)",
+        "not measured: an α search (~2-4 min) and 3-7 min a cell",
         ("experiment=smol_frontier", "precision=cnvfp4re4m3t,cmxfp4rmxfp4,ce4m3tre4m3t",
-         "method=smoothquant,quarot")),
+         "method=smoothquant", "method.calibration.seqlen=512")),
+    Job("Frontier, engine formats, QuaRot†", "... and QuaRot† (nothing fitted)", "3-7 min a cell",
+        ("experiment=smol_frontier", "precision=cnvfp4re4m3t,cmxfp4rmxfp4,ce4m3tre4m3t",
+         "method=quarot")),
 )  # fmt: skip
 
 
