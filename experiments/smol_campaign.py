@@ -286,6 +286,16 @@ JOBS = (
     Job("Frontier, engine formats, QuaRot†", "... and QuaRot† (nothing fitted)", "3-7 min a cell",
         ("experiment=smol_frontier", "precision=cnvfp4re4m3t,cmxfp4rmxfp4,ce4m3tre4m3t",
          "method=quarot")),
+    # job 54: on MXFP4 QuaRot† is ahead of QuantMLA on C4 (+0.62 % against +1.17 %, paired
+    # 0.54 ± 0.17), level on WikiText-2; on the INT formats its edge was the RoPE path's (job 28)
+    Job("MXFP4 per path, QuantMLA", "which path puts QuaRot† ahead of QuantMLA on MXFP4's C4: "
+        "QuantMLA's MXFP4 latent alone (BF16 key) and its MXFP4 RoPE key alone (job 21's units: "
+        "nothing fitted)", "not measured: 5-13 min a cell",
+        ("experiment=smol_frontier", "precision=cmxfp4r16,c16rmxfp4", "method=quantmla",
+         "method.calibration.seqlen=512")),
+    Job("MXFP4 per path, QuaRot† and RTN", "... and the same caches under QuaRot† and RTN",
+        "not measured: 5-13 min a cell",
+        ("experiment=smol_frontier", "precision=cmxfp4r16,c16rmxfp4", "method=quarot,rtn")),
 )  # fmt: skip
 
 
