@@ -251,7 +251,12 @@ def frontier(records: list[dict], out: Path, stem: str) -> list[Path]:
         (d, lambda p, d=d: delta_percent(p, ref, d), f"Δ perplexity {d} (%)") for d in datasets
     ]
     panels.append(("nmse", lambda p: p.nmse, "attention-output NMSE"))
+    at_bytes = {}  # bytes -> the uniform formats there
+    for p in pts:
+        if not p.mixed:
+            at_bytes.setdefault(p.bytes_protected, set()).add(p.cache)
     for ax, (_, value, title) in zip(axes, panels):
+        labelled = set()  # a format alone at its bytes is named once a panel
         for method in dict.fromkeys(p.method for p in pts):
             for mixed, marker in ((False, "o"), (True, "*")):
                 sel = [
@@ -267,6 +272,9 @@ def frontier(records: list[dict], out: Path, stem: str) -> list[Path]:
                 )  # fmt: skip
                 if not mixed:
                     for p, x, y in zip(sel, xs, ys):
+                        if p.cache in labelled and len(at_bytes[x]) == 1:
+                            continue
+                        labelled.add(p.cache)
                         ax.annotate(
                             p.cache, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points"
                         )
