@@ -280,10 +280,11 @@ JOBS = (
     # cells on the engines' 4-bit and fixed-range formats mean what QuantMLA's beside them do
     Job("Frontier, engine formats, SmoothQuant†", "SmoothQuant† on vLLM fp8, nvfp4_ds_mla and "
         "MXFP4 beside RTN's and QuantMLA's cells (item 4's transforms other than QuantMLA's)",
-        "not measured: an α search (~2-4 min) and 3-7 min a cell",
+        "9-11 min a cell (its α search ~2.5 min of it)",
         ("experiment=smol_frontier", "precision=cnvfp4re4m3t,cmxfp4rmxfp4,ce4m3tre4m3t",
          "method=smoothquant", "method.calibration.seqlen=512")),
-    Job("Frontier, engine formats, QuaRot†", "... and QuaRot† (nothing fitted)", "3-7 min a cell",
+    Job("Frontier, engine formats, QuaRot†", "... and QuaRot† (nothing fitted)",
+        "10-14 min a cell (beside the CI run)",
         ("experiment=smol_frontier", "precision=cnvfp4re4m3t,cmxfp4rmxfp4,ce4m3tre4m3t",
          "method=quarot")),
     # job 54: on MXFP4 QuaRot† is ahead of QuantMLA on C4 (+0.62 % against +1.17 %, paired
