@@ -17,12 +17,12 @@ import numpy as np
 from analysis.common import pyplot, save
 from analysis.probes import spearman
 from quantmla.config import ALLOCATION_ERRORS
-from quantmla.memory import ENGINE_PRECISIONS
+from quantmla.memory import ENGINE_PRECISIONS, LAYOUTS
 from quantmla.spec import UNQUANTIZED_BITS, QuantizerSpec
 
 ENGINE_NAMES = {p: name for name, p in ENGINE_PRECISIONS.items()}  # cnvfp4re4m3t → nvfp4_ds_mla
 # Caches that keep the RoPE key in BF16 as an engine does (TurboQuant's, fp8_ds_mla's values)
-BF16_KEY_CACHES = {ENGINE_PRECISIONS["turboquant4"], "ce4m3r16"}
+BF16_KEY_CACHES = {ENGINE_PRECISIONS["turboquant4"], LAYOUTS["fp8_ds_mla"].spec.precision}
 
 # precision.allocation_error → its label (the others are their own)
 ERROR_MODELS = {m: {"response": "R × NMSE"}.get(m, m) for m in ALLOCATION_ERRORS}
