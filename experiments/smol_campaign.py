@@ -297,6 +297,12 @@ JOBS = (
     Job("MXFP4 per path, QuaRot† and RTN", "... and the same caches under QuaRot† and RTN",
         "not measured: 5-13 min a cell",
         ("experiment=smol_frontier", "precision=cmxfp4r16,c16rmxfp4", "method=quarot,rtn")),
+    # job 54: QuaRot†'s mean NMSE on nvfp4_ds_mla (5.33e-3) is above RTN's (3.73e-3) though its
+    # perplexity is lower; layers 5-8 carry it (4.8e-2 at layer 5 against RTN's 1.5e-2)
+    Job("NVFP4 per path, QuaRot†", "which path raises QuaRot†'s output error above RTN's on "
+        "nvfp4_ds_mla in layers 5-8: its NVFP4 latent alone (BF16 key) and its FP8 key alone, beside "
+        "job 50's RTN cells (nothing fitted)", "not measured: 5-13 min a cell",
+        ("experiment=smol_frontier", "precision=cnvfp4r16,c16re4m3t", "method=quarot")),
 )  # fmt: skip
 
 
