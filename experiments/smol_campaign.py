@@ -303,6 +303,19 @@ JOBS = (
         "nvfp4_ds_mla in layers 5-8: its NVFP4 latent alone (BF16 key) and its FP8 key alone, beside "
         "job 50's RTN cells (nothing fitted)", "not measured: 5-13 min a cell",
         ("experiment=smol_frontier", "precision=cnvfp4r16,c16re4m3t", "method=quarot")),
+    # docs/results.md: QuantMLA's RoPE path alone trails QuaRot†'s Hadamard after every refit of its
+    # per-pair transforms (jobs 30, 33, 36); "what remains is the family" was not measured apart
+    Job("RoPE pairs, then an online Hadamard", "whether QuantMLA's RoPE path passes QuaRot†'s when "
+        "its fitted per-pair transforms are followed by QuaRot†'s online Hadamard "
+        "(method.calibration.rope_hadamard, ours): the family question, measured (the content "
+        "units are smol_table1's)", "not measured: one RoPE fit (~15 min), then 3-5 min a cell",
+        ("experiment=smol_table1", "experiment_name=smol_rope_hadamard", "method=quantmla",
+         "precision=c16r4,c4r4,c2r4", "method.calibration.rope_hadamard=true")),
+    Job("RoPE pairs, then an online Hadamard, MXFP4", "... and on MXFP4, where QuaRot† leads "
+        "QuantMLA on C4 (the content units are job 21's)",
+        "not measured: one RoPE fit (~15 min), then 3-5 min a cell",
+        ("experiment=smol_table1", "experiment_name=smol_rope_hadamard", "method=quantmla",
+         "precision=c16rmxfp4,cmxfp4rmxfp4", "method.calibration.rope_hadamard=true")),
 )  # fmt: skip
 
 

@@ -136,6 +136,13 @@ class CalibrationConfig:
         "position below rope_positions (e.g. the evaluation's length; an extension). 0: the "
         "captured positions 0..seqlen-1 (the paper's)",
     )
+    rope_hadamard: bool = opt(
+        False,
+        "QuantMLA / SmoothQuant†: a normalised Hadamard on the post-RoPE query and key after the "
+        "fused per-pair transforms, run online as QuaRot†'s (fitted and α-searched with it; an "
+        "extension: mixes the RoPE pairs, which no weight-fused transform can, so an export "
+        "cannot carry it)",
+    )
     reuse_units: bool = opt(
         True,
         "take each layer's content / RoPE transform an earlier artifact fitted at the same path "
@@ -308,12 +315,17 @@ FP8_MODES = ("native", "dequantize")
 ROPE_OBJECTIVES = ("qk", "output")
 # calibration fields added after records and artifacts existed: hashed (a record's config, an
 # artifact's fit settings) only off this default, so the earlier ones keep their keys
-CALIBRATION_HASH_NEUTRAL = {"rope_objective": "qk", "rope_positions": 0}
+CALIBRATION_HASH_NEUTRAL = {"rope_objective": "qk", "rope_positions": 0, "rope_hadamard": False}
 
 
 def calibration_seqlen(cfg) -> int:
     """Tokens per calibration sequence: `method.calibration.seqlen`, else `model.eval_seqlen`."""
     return cfg.method.calibration.seqlen or cfg.model.eval_seqlen
+
+
+def calibrated_rope_online(calibration) -> str | None:
+    """What a calibrated method runs online on the post-RoPE query and key (`rope_hadamard`)."""
+    return "hadamard" if calibration.rope_hadamard else None
 
 
 DATASETS = ("wikitext2", "c4")

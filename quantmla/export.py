@@ -30,6 +30,13 @@ def check_out(cfg) -> Path:
             "a method whose transforms fuse into the weights (rtn, smoothquant, quantmla): "
             f"{method.label} applies a post-RoPE Hadamard online, which a checkpoint cannot carry",
         )
+    calibration = cfg.method.calibration
+    if method is not None and method.calibrated and calibration and calibration.rope_hadamard:
+        raise ConfigError(
+            "method.calibration.rope_hadamard",
+            True,
+            "false: the post-RoPE Hadamard runs online, which a checkpoint cannot carry",
+        )
     out = Paths.from_config(cfg.paths).resolve(cfg.out)
     if out.exists() and any(out.iterdir()) and not cfg.overwrite:
         raise ConfigError("out", str(out), "a new or empty folder (or overwrite=true)")

@@ -28,7 +28,7 @@ from quantmla.models.capture import capture_inputs
 from quantmla.quant import qdq_content
 from quantmla.spec import UNQUANTIZED_BITS
 from quantmla.tracking.store import load_records
-from quantmla.transforms import RopeTransform, hadamard
+from quantmla.transforms import RopeTransform, cached_rope_matrices, online_rope_matrix
 
 
 def sensitivity_responses(job) -> tuple[np.ndarray, np.ndarray, int]:
@@ -125,10 +125,8 @@ def _layer_paths(ctx, layer: int, result, dtype: torch.dtype):
     else:
         content = lambda c, spec: qdq_content(spec, c)  # noqa: E731
     rope = (transforms and transforms.rope) or RopeTransform.identity(g.d_r)
-    key, query = rope.key_matrix(g.cache_pairs), rope.query_matrix(g.cache_pairs)
-    if result is not None and result.rope_online == "hadamard":  # QuaRot†: H_P on query and key
-        h = hadamard(g.d_r)
-        key, query = key @ h, query @ h
+    online = online_rope_matrix(result.rope_online if result is not None else None, g.d_r)
+    key, query = cached_rope_matrices(rope, g.cache_pairs, online)
     key, query = key.to(ctx.device, dtype), query.to(ctx.device, dtype)
     digests = (_digest(fused.rotation, fused.scale) if fused is not None else "", _digest(key))
     scored = lambda q, k, spec: rope_qdq(q, k, key, query, spec)  # noqa: E731

@@ -360,11 +360,12 @@ def test_layer_nmse_counts_each_methods_lowest_layers_and_draws(tmp_path):
 def test_rope_objective_rows_set_each_quantmla_fit_beside_quarot():
     from analysis import rope_objective
 
-    def record(
-        precision, method, layers, objective=None, experiment="smol_table1", seqlen=512, moved=0
-    ):
+    def record(precision, method, layers, objective=None, experiment="smol_table1", seqlen=512,
+               moved=0, hadamard=False):  # fmt: skip
         cal = {"seqlen": seqlen, **({"rope_objective": objective} if objective else {})}
-        cal |= {"rope_positions": moved} if moved else {}
+        cal |= ({"rope_positions": moved} if moved else {}) | (
+            {"rope_hadamard": True} if hadamard else {}
+        )
         return {
             "experiment": experiment,
             "config": {"model": {"name": "smol_mla"}, "precision": {"name": precision},
@@ -380,11 +381,18 @@ def test_rope_objective_rows_set_each_quantmla_fit_beside_quarot():
         record("c16r4", "quantmla", [0.0, 0.0, 0.0], experiment="elsewhere"),  # not these experiments
         record("c16r4", "quantmla", [1.0, 3.0, 1.0], experiment="smol_rope_seqlen", seqlen=2048),
         record("c16r4", "quantmla", [1.0, 1.0, 1.0], experiment="smol_rope_moved", moved=2048),
+        record("c16r4", "quantmla", [1.5, 2.5, 0.5], experiment="smol_rope_hadamard", hadamard=True),
+        record("cmxfp4rmxfp4", "quarot", [2.0, 2.0, 2.0], experiment="smol_frontier"),
+        record("cmxfp4rmxfp4", "quantmla", [3.0, 3.0, 1.0], experiment="smol_frontier"),
+        record("cmxfp4rmxfp4", "quantmla", [1.0, 3.0, 1.0], experiment="smol_path_split"),  # not read
+        record("cmxfp4rmxfp4", "quantmla", [1.0, 1.0, 3.0], experiment="smol_rope_hadamard", hadamard=True),
     ])  # fmt: skip
-    c16 = rows[1:6]
-    assert [r[5] for r in c16] == ["—", "1 of 3", "2 of 3", "2 of 3", "3 of 3"]
-    assert c16[2][2] == "21.000" and c16[1][4] == f"{7 / 3:.3e}"
-    assert rows[6][2:] == ["—"] * 4  # C4R4's QuaRot†: no record
+    c16 = rows[1:7]
+    assert [r[5] for r in c16] == ["—", "1 of 3", "2 of 3", "2 of 3", "3 of 3", "2 of 3"]
+    assert c16[2][2] == "21.000" and c16[1][4] == f"{7 / 3:.3e}" and c16[5][2] == "21.500"
+    assert rows[7][2:] == ["—"] * 4  # C4R4's QuaRot†: no record
+    mxfp4 = [r for r in rows if r[0] == "CMXFP4RMXFP4"]  # its three rows only
+    assert [r[5] for r in mxfp4] == ["—", "1 of 3", "2 of 3"] and mxfp4[1][2] == "23.000"
 
 
 def test_rope_position_rows_count_layers_below_quarot_per_key_range():

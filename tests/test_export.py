@@ -77,6 +77,9 @@ def test_export_refuses_online_transforms_and_a_used_folder(tmp_path):
 
     with pytest.raises(ConfigError, match="method.name='quarot'.*online"):
         check_out(export_config("method=quarot", f"out={tmp_path}/x"))
+    with pytest.raises(ConfigError, match="rope_hadamard=True.*online"):
+        check_out(export_config("method=quantmla", "method.calibration.rope_hadamard=true",
+                                f"out={tmp_path}/x"))  # fmt: skip
     used = tmp_path / "used"
     used.mkdir()
     (used / "config.json").write_text("{}")

@@ -268,3 +268,32 @@ def test_rope_positions_fits_only_the_rope_units_differently(ctx, c2r4_fit, tmp_
     assert offsets.shape == (6,) and offsets.min() >= 0 and offsets.max() <= 400 - 48
     assert torch.equal(offsets, rope_offsets(ctx, 400, seed=0)) and rope_offsets(ctx, 0, 0) is None
     assert_rope_units_alone_differ(ctx, c2r4_fit, tmp_path, moved, {"rope_positions": 400})
+
+
+def test_rope_hadamard_scores_the_rotated_key_and_fits_only_the_rope_units(ctx, c2r4_fit, tmp_path):
+    """`rope_hadamard` (an online Hadamard after the fused per-pair transforms): the RoPE objective
+    is the brute-force causal QK-score error of (q H)·Q(k H) against q·k; the fit's result runs H
+    online, its content units are the default fit's and an artifact gives it those alone."""
+    from quantmla.calibration.module import QuantMLACalibration
+    from quantmla.quant import qdq_rope
+    from quantmla.transforms import LayerTransforms, hadamard
+
+    rotated = dataclasses.replace(CAL, rope_hadamard=True)
+    module = QuantMLACalibration(ctx, [LayerTransforms()] * 2, C16R4, rotated)
+    rope = module.losses(1, ctx.heldout, ste=False)[1].detach()  # identity per-pair transforms
+    proj, _ = ctx.project(1, ctx.heldout)
+    q, k = proj.q_rot.double(), proj.k_rot.double()  # (B, H, n, r), (B, n, r)
+    h = hadamard(k.shape[-1])
+    k_hat = qdq_rope(C16R4, (proj.k_rot @ h.to(proj.k_rot)).float()).double()
+    causal = torch.ones(k.shape[1], k.shape[1], dtype=torch.bool).tril()
+    exact = torch.einsum("bhtr,bjr->bhtj", q, k)[..., causal]
+    error = torch.einsum("bhtr,bjr->bhtj", q @ h, k_hat)[..., causal] - exact
+    assert float(rope) == pytest.approx(float(error.pow(2).sum() / exact.pow(2).sum()), rel=1e-4)
+    plain = QuantMLACalibration(ctx, [LayerTransforms()] * 2, C16R4, CAL)
+    unrotated = plain.losses(1, ctx.heldout, ste=False)[1].detach()
+    assert abs(float(rope) - float(unrotated)) > 1e-3 * float(unrotated)
+
+    fitted = quantmla(MethodJob(ctx.modules, C2R4, rotated, ctx, seed=0))
+    assert fitted.rope_online == "hadamard" and c2r4_fit.rope_online is None
+    assert_rope_units_alone_differ(ctx, c2r4_fit, tmp_path, rotated, {"rope_hadamard": True})
+    assert assemble("quantmla", 2, {}, "hadamard").rope_online == "hadamard"

@@ -32,15 +32,17 @@ from quantmla.calibration.objectives import (
     positional_output_loss,
     positional_qk_loss,
 )
-from quantmla.config import CalibrationConfig
+from quantmla.config import CalibrationConfig, calibrated_rope_online
 from quantmla.metrics import nmse
 from quantmla.spec import PATHS, QuantizerSpec, layer_spec
 from quantmla.transforms import (
     ContentTransform,
     LayerTransforms,
     RopeTransform,
+    cached_rope_matrices,
     cayley,
     latent_magnitude,
+    online_rope_matrix,
 )
 
 LOG_SCALE_CLIP = 2.0
@@ -118,6 +120,9 @@ class QuantMLACalibration(L.LightningModule):
         self.history: list[dict] = []
         self.seconds_selection = 0.0  # of the fit's time, the held-out selections'
         self.rope_offsets = rope_offsets(ctx, calibration.rope_positions, seed)
+        self.rope_online = online_rope_matrix(  # run after the fused per-pair transforms
+            calibrated_rope_online(calibration), ctx.modules[0].qk_rope_head_dim
+        )
 
     # -- objectives ---------------------------------------------------------------------------
     def _layout(self, layer: int) -> str:
@@ -145,9 +150,8 @@ class QuantMLACalibration(L.LightningModule):
         if fit_rope:
             if self.rope_offsets is not None:
                 proj = self.ctx.shifted(layer, proj, self.rope_offsets[index])
-            transform, layout = params.rope(), self._layout(layer)
-            key = transform.key_matrix(layout).to(proj.k_rot)
-            query = transform.query_matrix(layout).to(proj.k_rot)
+            matrices = cached_rope_matrices(params.rope(), self._layout(layer), self.rope_online)
+            key, query = (m.to(proj.k_rot) for m in matrices)
             if to_output:
                 module = self.ctx.modules[layer]
                 rope = positional_output_loss(

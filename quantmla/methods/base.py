@@ -23,7 +23,7 @@ from quantmla.transforms import (
     RopeTransform,
     fuse_content,
     fuse_rope,
-    hadamard,
+    online_rope_matrix,
 )
 
 if TYPE_CHECKING:
@@ -53,13 +53,12 @@ class MethodJob:
 
 @dataclass
 class MethodResult:
-    """A method's output for one model and precision: fused offline, plus QuaRot†'s online Hadamard."""
+    """A method's output for one model and precision: fused offline, plus an online post-RoPE
+    Hadamard (QuaRot†'s; a calibrated method's with `rope_hadamard`)."""
 
     method: str
     layers: list[LayerTransforms]
-    rope_online: str | None = (
-        None  # "hadamard": post-RoPE H_P on query and key, run by the simulator
-    )
+    rope_online: str | None = None  # "hadamard": post-RoPE H_P on query and key, run online
     metadata: dict[str, str] = field(default_factory=dict)
     report: dict = field(default_factory=dict)  # calibration losses, chosen alphas, timings
 
@@ -85,8 +84,9 @@ def fuse_layer(module: nn.Module, adapter: MLAAdapter, layer, rope_online: str |
             fuse_content(module, adapter, layer.content)
         if layer.rope is not None:
             fuse_rope(module, adapter, layer.rope)
-    if rope_online == "hadamard":
-        layer_patch(module).rope_online = hadamard(module.qk_rope_head_dim).to(module.o_proj.weight)
+    online = online_rope_matrix(rope_online, module.qk_rope_head_dim)
+    if online is not None:
+        layer_patch(module).rope_online = online.to(module.o_proj.weight)
 
 
 def save_artifact(result: MethodResult, path: str | Path) -> None:

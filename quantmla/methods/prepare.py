@@ -16,7 +16,7 @@ import time
 import torch
 
 from quantmla.calibration.context import CalibrationContext
-from quantmla.config import CALIBRATION_HASH_NEUTRAL, calibration_seqlen
+from quantmla.config import CALIBRATION_HASH_NEUTRAL, calibrated_rope_online, calibration_seqlen
 from quantmla.data import calibration_split, load_text, tokenize
 from quantmla.methods.base import ArtifactMismatchError, MethodJob, load_artifact, save_artifact
 from quantmla.methods.registry import METHODS
@@ -106,7 +106,7 @@ def prepare_method(
         sources = ", ".join(f"{len(u)} from {f}" for f, u in reuse_report(units).items())
         print(f"[quantmla] {len(units)} of {len(needed)} units fitted before: {sources}")
     if units and units.keys() >= needed.keys():  # nothing to fit (not saved again)
-        result = assemble(method.name, len(specs), units)
+        result = assemble(method.name, len(specs), units, calibrated_rope_online(cal))
         result.metadata = expected
         return result
     started = time.time()

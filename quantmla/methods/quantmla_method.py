@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 
 from quantmla.calibration.module import QuantMLACalibration
+from quantmla.config import calibrated_rope_online
 from quantmla.methods.base import MethodJob, MethodResult
 from quantmla.methods.reuse import reuse_report
 from quantmla.methods.smoothquant import alpha_search
@@ -72,8 +73,9 @@ def quantmla(job: MethodJob) -> MethodResult:
     init_report = saved["quantmla"].get("init") if saved else None
     if init_report is None:
         init, init_report = alpha_search(
-            ctx, job.spec, cal.alphas, cal.batch_size, skip=job.fixed.keys()
-        )
+            ctx, job.spec, cal.alphas, cal.batch_size, skip=job.fixed.keys(),
+            rope_online=calibrated_rope_online(cal),
+        )  # fmt: skip
     else:  # a resumed fit's parameters come from its state; the α search's outcome from its report
         init = [LayerTransforms() for _ in ctx.modules]
     searched = time.time()
@@ -122,4 +124,4 @@ def quantmla(job: MethodJob) -> MethodResult:
     }
     if job.fixed:
         report["reused"] = reuse_report(job.fixed)
-    return MethodResult("quantmla", best, report=report)
+    return MethodResult("quantmla", best, calibrated_rope_online(cal), report=report)

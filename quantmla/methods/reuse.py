@@ -25,7 +25,8 @@ PER_RUN = ("precision", "quantizer")  # artifact metadata a unit does not depend
 # of such a format were fitted at u's (~1/Γ: an NVFP4 latent in E4M3's subnormals) and are not
 # taken. Other formats dequantize alike at either magnitude: their units are taken from any fit.
 MAGNITUDE = {"content_magnitude": "latent"}
-PATH_SETTINGS = {"rope_objective": "rope", "rope_positions": "rope"}  # shape one path's units only
+# settings that shape one path's units only
+PATH_SETTINGS = {"rope_objective": "rope", "rope_positions": "rope", "rope_hadamard": "rope"}
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,9 @@ def with_units(layers: list[LayerTransforms], units: dict) -> list[LayerTransfor
     ]
 
 
-def assemble(method: str, n_layers: int, units: dict) -> MethodResult:
+def assemble(
+    method: str, n_layers: int, units: dict, rope_online: str | None = None
+) -> MethodResult:
     """A result made of held units only (a path without one is not quantized: no transform)."""
     layers = with_units([LayerTransforms() for _ in range(n_layers)], units)
     report = {
@@ -144,4 +147,4 @@ def assemble(method: str, n_layers: int, units: dict) -> MethodResult:
             for field, attr in (("best_step", "step"), ("best_heldout", "heldout"))
         },
     }
-    return MethodResult(method, layers, report=report)
+    return MethodResult(method, layers, rope_online, report=report)

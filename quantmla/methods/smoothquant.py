@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from quantmla.calibration.context import CalibrationContext
 from quantmla.calibration.objectives import content_qdq, layer_output, rope_qdq
+from quantmla.config import calibrated_rope_online
 from quantmla.methods.base import MethodJob, MethodResult
 from quantmla.methods.reuse import reuse_report, with_units
 from quantmla.metrics import RunningNMSE
@@ -22,7 +23,9 @@ from quantmla.transforms import (
     ContentTransform,
     LayerTransforms,
     RopeTransform,
+    cached_rope_matrices,
     latent_magnitude,
+    online_rope_matrix,
 )
 
 
@@ -41,9 +44,11 @@ def heldout_output_nmse(
     rope=None,
     batch_size: int = 4,
     batches: list | None = None,
+    rope_online: torch.Tensor | None = None,
 ) -> float:
     """Held-out attention-output NMSE (over all held-out tokens) with the given path(s) quantized;
-    `batches`: the held-out (projections, teacher output) of this layer, when already computed."""
+    `batches`: the held-out (projections, teacher output) of this layer, when already computed;
+    `rope_online`: a matrix run online after `rope` (`online_rope_matrix`)."""
     gamma = ctx.gamma(layer)
     layout = ctx.adapter.geometry(ctx.modules[layer]).cache_pairs
     total = RunningNMSE()
@@ -55,7 +60,7 @@ def heldout_output_nmse(
             r, s = content.rotation.to(c), content.scale.to(c)
             c = content_qdq(c, gamma, r, s, spec)
         if rope is not None:
-            km, qm = rope.key_matrix(layout).to(k_rot), rope.query_matrix(layout).to(k_rot)
+            km, qm = (m.to(k_rot) for m in cached_rope_matrices(rope, layout, rope_online))
             q_rot, k_rot = rope_qdq(q_rot, k_rot, km, qm, spec)
         total.add(
             layer_output(ctx.modules[layer], ctx.adapter, proj, c=c, q_rot=q_rot, k_rot=k_rot), y
@@ -69,9 +74,11 @@ def alpha_search(
     alphas,
     batch_size: int = 4,
     skip=frozenset(),
+    rope_online: str | None = None,
 ) -> tuple[list[LayerTransforms], dict]:
     """Per layer (at its own spec, when `spec` is one per layer) and path, the α whose scales give
-    the lowest held-out output NMSE (ties → smaller α). A path left unquantized needs no search
+    the lowest held-out output NMSE (ties → smaller α), the RoPE path's with `rope_online` after
+    its scales. A path left unquantized needs no search
     (every α leaves the output exact: α 0, NMSE 0, no transform); one in `skip` ((layer, path),
     a unit taken from an earlier artifact) gets none here (α and NMSE None)."""
     layers, report = [], {"alpha": [], "heldout_nmse": []}
@@ -95,7 +102,10 @@ def alpha_search(
                     loss = heldout_output_nmse(ctx, layer, own, content=t, batches=heldout)
                 else:
                     t = RopeTransform(torch.zeros_like(scales), scales)
-                    loss = heldout_output_nmse(ctx, layer, own, rope=t, batches=heldout)
+                    online = online_rope_matrix(rope_online, module.qk_rope_head_dim)
+                    loss = heldout_output_nmse(
+                        ctx, layer, own, rope=t, batches=heldout, rope_online=online
+                    )
                 if path not in best or loss < best[path][0]:
                     best[path] = (loss, alpha, t)
         layers.append(LayerTransforms(best["content"][2], best["rope"][2]))
@@ -106,9 +116,10 @@ def alpha_search(
 
 def smoothquant(job: MethodJob) -> MethodResult:
     cal = job.calibration
+    online = calibrated_rope_online(cal)
     layers, report = alpha_search(
-        job.context, job.spec, cal.alphas, cal.batch_size, skip=job.fixed.keys()
+        job.context, job.spec, cal.alphas, cal.batch_size, skip=job.fixed.keys(), rope_online=online
     )
     if job.fixed:
         report["reused"] = reuse_report(job.fixed)
-    return MethodResult("smoothquant", with_units(layers, job.fixed), report=report)
+    return MethodResult("smoothquant", with_units(layers, job.fixed), online, report=report)

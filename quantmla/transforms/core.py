@@ -102,6 +102,28 @@ class RopeTransform:
         return pair_matrix(self.angles, 1.0 / self.scales, layout)
 
 
+def online_rope_matrix(rope_online: str | None, d_r: int) -> torch.Tensor | None:
+    """The matrix a method runs online on the post-RoPE query and key (float64): "hadamard" (QuaRot†'s
+    H_P; QuantMLA's and SmoothQuant†'s with `rope_hadamard`), None when nothing runs online."""
+    if rope_online is None:
+        return None
+    if rope_online != "hadamard":
+        raise ConfigError("rope_online", rope_online, "hadamard or none")
+    return hadamard(d_r)
+
+
+def cached_rope_matrices(
+    transform: RopeTransform, layout: str, online: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M_K, M_Q) as the cache sees them: the fused per-pair transform, then the online matrix if
+    any (orthogonal, so M_Q M_Kᵀ = I still holds)."""
+    key, query = transform.key_matrix(layout), transform.query_matrix(layout)
+    if online is None:
+        return key, query
+    online = online.to(key)
+    return key @ online, query @ online
+
+
 @dataclass
 class LayerTransforms:
     """One MLA layer's transforms; None leaves that path in native coordinates."""
