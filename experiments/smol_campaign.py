@@ -291,11 +291,11 @@ JOBS = (
     # 0.54 ± 0.17), level on WikiText-2; on the INT formats its edge was the RoPE path's (job 28)
     Job("MXFP4 per path, QuantMLA", "which path puts QuaRot† ahead of QuantMLA on MXFP4's C4: "
         "QuantMLA's MXFP4 latent alone (BF16 key) and its MXFP4 RoPE key alone (job 21's units: "
-        "nothing fitted)", "not measured: 5-13 min a cell",
+        "nothing fitted)", "3.8 min a cell alone, 9-15 beside CI",
         ("experiment=smol_frontier", "precision=cmxfp4r16,c16rmxfp4", "method=quantmla",
          "method.calibration.seqlen=512")),
     Job("MXFP4 per path, QuaRot† and RTN", "... and the same caches under QuaRot† and RTN",
-        "not measured: 5-13 min a cell",
+        "9-15 min a cell beside CI",
         ("experiment=smol_frontier", "precision=cmxfp4r16,c16rmxfp4", "method=quarot,rtn")),
     # job 54: QuaRot†'s mean NMSE on nvfp4_ds_mla (5.33e-3) is above RTN's (3.73e-3) though its
     # perplexity is lower; layers 5-8 carry it (4.8e-2 at layer 5 against RTN's 1.5e-2)
