@@ -308,7 +308,7 @@ JOBS = (
     Job("RoPE pairs, then an online Hadamard", "whether QuantMLA's RoPE path passes QuaRot†'s when "
         "its fitted per-pair transforms are followed by QuaRot†'s online Hadamard "
         "(method.calibration.rope_hadamard, ours): the family question, measured (the content "
-        "units are smol_table1's)", "not measured: one RoPE fit (~15 min), then 3-5 min a cell",
+        "units are smol_table1's)", "36 min beside CI (capture 19, α search 5, 300 steps 9), then 4 min a cell",
         ("experiment=smol_table1", "experiment_name=smol_rope_hadamard", "method=quantmla",
          "precision=c16r4,c4r4,c2r4", "method.calibration.rope_hadamard=true")),
     Job("RoPE pairs, then an online Hadamard, MXFP4", "... and on MXFP4, where QuaRot† leads "
