@@ -313,7 +313,7 @@ JOBS = (
          "precision=c16r4,c4r4,c2r4", "method.calibration.rope_hadamard=true")),
     Job("RoPE pairs, then an online Hadamard, MXFP4", "... and on MXFP4, where QuaRot† leads "
         "QuantMLA on C4 (the content units are job 21's)",
-        "not measured: one RoPE fit (~15 min), then 3-5 min a cell",
+        "19 min alone (capture 4, α search 2, 300 steps 10), then 4 min a cell",
         ("experiment=smol_table1", "experiment_name=smol_rope_hadamard", "method=quantmla",
          "precision=c16rmxfp4,cmxfp4rmxfp4", "method.calibration.rope_hadamard=true")),
 )  # fmt: skip
