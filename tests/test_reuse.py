@@ -295,5 +295,7 @@ def test_rope_hadamard_scores_the_rotated_key_and_fits_only_the_rope_units(ctx, 
 
     fitted = quantmla(MethodJob(ctx.modules, C2R4, rotated, ctx, seed=0))
     assert fitted.rope_online == "hadamard" and c2r4_fit.rope_online is None
+    smoothed = smoothquant(MethodJob(ctx.modules, C16R4, rotated, ctx, seed=0))
+    assert smoothed.rope_online == "hadamard"
     assert_rope_units_alone_differ(ctx, c2r4_fit, tmp_path, rotated, {"rope_hadamard": True})
     assert assemble("quantmla", 2, {}, "hadamard").rope_online == "hadamard"

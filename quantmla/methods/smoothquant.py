@@ -77,10 +77,10 @@ def alpha_search(
     rope_online: str | None = None,
 ) -> tuple[list[LayerTransforms], dict]:
     """Per layer (at its own spec, when `spec` is one per layer) and path, the α whose scales give
-    the lowest held-out output NMSE (ties → smaller α), the RoPE path's with `rope_online` after
-    its scales. A path left unquantized needs no search
-    (every α leaves the output exact: α 0, NMSE 0, no transform); one in `skip` ((layer, path),
-    a unit taken from an earlier artifact) gets none here (α and NMSE None)."""
+    the lowest held-out output NMSE (ties → smaller α; the RoPE path's with `rope_online` run after
+    its scales). A path left unquantized needs no search (every α leaves the output exact: α 0,
+    NMSE 0, no transform); one in `skip` ((layer, path), a unit taken from an earlier artifact)
+    gets none here (α and NMSE None)."""
     layers, report = [], {"alpha": [], "heldout_nmse": []}
     for layer, module in enumerate(tqdm(ctx.modules, desc="alpha search", leave=False)):
         own = layer_spec(spec, layer)
