@@ -301,7 +301,7 @@ JOBS = (
     # perplexity is lower; layers 5-8 carry it (4.8e-2 at layer 5 against RTN's 1.5e-2)
     Job("NVFP4 per path, QuaRot†", "which path raises QuaRot†'s output error above RTN's on "
         "nvfp4_ds_mla in layers 5-8: its NVFP4 latent alone (BF16 key) and its FP8 key alone, beside "
-        "job 50's RTN cells (nothing fitted)", "not measured: 5-13 min a cell",
+        "job 50's RTN cells (nothing fitted)", "3.7-7.6 min a cell",
         ("experiment=smol_frontier", "precision=cnvfp4r16,c16re4m3t", "method=quarot")),
     # docs/results.md: QuantMLA's RoPE path alone trails QuaRot†'s Hadamard after every refit of its
     # per-pair transforms (jobs 30, 33, 36); "what remains is the family" was not measured apart
