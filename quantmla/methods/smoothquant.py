@@ -82,6 +82,7 @@ def alpha_search(
     NMSE 0, no transform); one in `skip` ((layer, path), a unit taken from an earlier artifact)
     gets none here (α and NMSE None)."""
     layers, report = [], {"alpha": [], "heldout_nmse": []}
+    online = online_rope_matrix(rope_online, ctx.modules[0].qk_rope_head_dim)
     for layer, module in enumerate(tqdm(ctx.modules, desc="alpha search", leave=False)):
         own = layer_spec(spec, layer)
         best = {p: (0.0, 0.0, None) for p in PATHS if own.path_key(p) is None}
@@ -102,7 +103,6 @@ def alpha_search(
                     loss = heldout_output_nmse(ctx, layer, own, content=t, batches=heldout)
                 else:
                     t = RopeTransform(torch.zeros_like(scales), scales)
-                    online = online_rope_matrix(rope_online, module.qk_rope_head_dim)
                     loss = heldout_output_nmse(
                         ctx, layer, own, rope=t, batches=heldout, rope_online=online
                     )
