@@ -67,10 +67,24 @@ def merge_partials(*parts: SoftmaxPartial) -> torch.Tensor:
     return o_total / torch.where(l_total > 0, l_total, torch.ones_like(l_total))
 
 
-def protected_mask(q_slots: torch.Tensor, kv_len: int, sink: int, recent: int) -> torch.Tensor:
-    """(n, T) bool: key j is read unquantized by query slot t iff j < sink or t − j < recent."""
+def protected_mask(
+    q_slots: torch.Tensor, kv_len: int, sink: int, recent: int, first: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(n, T) bool: key j is read unquantized by query slot t iff j < sink or t − j < recent.
+    With `first` (B,), each sequence's first real slot (left padding), the sinks are slots
+    first .. first + sink − 1 of that sequence: (B, 1, n, T)."""
     j = torch.arange(kv_len, device=q_slots.device)
-    return (j[None, :] < sink) | (q_slots[:, None] - j[None, :] < recent)
+    recent_band = q_slots[:, None] - j[None, :] < recent
+    if first is None:
+        return (j[None, :] < sink) | recent_band
+    own = j[None, :] - first.to(j.device)[:, None]  # (B, T): position within the sequence
+    return ((own >= 0) & (own < sink))[:, None, None, :] | recent_band[None, None]
+
+
+def first_real_slot(allowed: torch.Tensor) -> torch.Tensor:
+    """(B,) the first key each sequence's last query may read in `allowed` (B, 1, n, T): the
+    left padding's length (0 unpadded; the last query of a left-padded batch is always real)."""
+    return allowed[:, 0, -1, :].int().argmax(dim=-1)
 
 
 def choose_form(n_queries: int, n_keys: int, d_c: int, d_r: int, d_nope: int, d_v: int) -> str:
@@ -162,7 +176,8 @@ def cache_regions(policy, c, k_rot, allowed, q_slots, hats=None):
     if not spec.quantized:
         return [(c, k_rot, allowed)]
     c_hat, k_hat = hats if hats is not None else (qdq_content(spec, c), qdq_rope(spec, k_rot))
-    protected = protected_mask(q_slots, c.shape[1], policy.sink, policy.recent)[None, None]
+    first = first_real_slot(allowed)
+    protected = protected_mask(q_slots, c.shape[1], policy.sink, policy.recent, first)
     regions = []
     quant_allowed = allowed & ~protected
     if quant_allowed.any():

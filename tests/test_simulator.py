@@ -95,6 +95,30 @@ def test_prefill_equals_generate_steps_with_protection(fresh):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("precision", ["bf16", "c4r4"])
+def test_left_padded_row_generates_what_the_sequence_generates_alone(fresh, precision):
+    """lm-eval's generation pads a batch on the left: the sink is each sequence's own first tokens,
+    not the batch's first slots, so a padded row's logits (prefill and decode) are its own."""
+    fresh.double()  # no rounding-code flips between the two orders of summation
+    patch_model(fresh, precision, sink=2, recent=3)
+    long, short = tokens(6, length=14).clamp_min(1)  # token 0 is the pad id
+    short, pad = short[:9], 14 - 9
+    batch = torch.stack([long, torch.cat([torch.zeros(pad, dtype=short.dtype), short])])
+    mask = (torch.arange(14)[None] >= torch.tensor([[0], [pad]])).long()
+    kwargs = dict(
+        max_new_tokens=6,
+        min_new_tokens=6,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    together = fresh.generate(batch, attention_mask=mask, **kwargs)
+    alone = fresh.generate(short[None], attention_mask=torch.ones_like(short[None]), **kwargs)
+    assert rel_err(torch.stack(together.logits)[:, 1], torch.stack(alone.logits)[:, 0]) <= 1e-5
+
+
+@torch.no_grad()
 def test_packed_backend_generates_what_the_simulator_generates(fresh):
     """cache.backend=packed on every family's attention path (real d_c/d_r, random weights)."""
     prompt = tokens(5, length=12)[:1].clamp_min(1)
