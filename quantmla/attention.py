@@ -51,7 +51,14 @@ def softmax_partial(
     m = scores.amax(dim=-1, keepdim=True)
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(scores - m_safe)
-    return SoftmaxPartial(m, p.sum(dim=-1, keepdim=True), p @ _acc(values))
+    values = _acc(values)
+    if values.dim() == 4 and values.shape[1] == 1 < p.shape[1]:
+        # one latent shared by every head (absorbed MLA): heads folded into rows, one bmm — a
+        # broadcast matmul would copy the latent once per head (decode: most of its time)
+        o = (p.flatten(1, 2) @ values[:, 0]).view(*p.shape[:-1], values.shape[-1])
+    else:
+        o = p @ values
+    return SoftmaxPartial(m, p.sum(dim=-1, keepdim=True), o)
 
 
 def merge_partials(*parts: SoftmaxPartial) -> torch.Tensor:
