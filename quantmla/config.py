@@ -188,7 +188,7 @@ class EvalConfig:
         help="split per dataset", factory=lambda: {"wikitext2": "test", "c4": "eval"}
     )
     max_windows: int | None = opt(None, "windows per dataset (null: all = the full evaluation)")
-    batch_size: int = opt(4, "windows per forward")
+    batch_size: int = opt(4, "windows per forward; lm_eval / ruler (hf): requests per batch")
     compare_bf16: bool = opt(True, "also measure the unquantized model in the same job")
     nmse_windows: int = opt(8, "windows for per-layer attention-output NMSE (0: off)")
     # sensitivity / probes (one cell = one dataset in `datasets` × `seed`)
