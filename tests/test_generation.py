@@ -62,6 +62,32 @@ def test_cache_keeps_dequantized_copy_through_crop_and_reorder(model):
     unpatch_model(model)
 
 
+def test_appended_history_equals_concatenation_through_crop_and_reorder():
+    """The in-place append (`appended`) against torch.cat: decode steps reuse the room (no copy of
+    the history), a crop writes over the dropped rows, a reorder or a new batch starts a new room."""
+    from quantmla.cache.simulated import appended
+
+    gen = torch.Generator().manual_seed(4)
+    history, room = None, None
+    reference = torch.empty(2, 1, 0, 8)
+    for step in [9, 1, 1, "crop", 1, "reorder", 1, 1, 20, 1]:
+        if step == "crop":
+            history, reference = history[..., :-3, :], reference[..., :-3, :]
+            continue
+        if step == "reorder":
+            order = torch.tensor([1, 0])
+            history, reference = history.index_select(0, order), reference.index_select(0, order)
+            continue
+        new = torch.randn(2, 1, step, 8, generator=gen)
+        history, room = appended(history, room, new)
+        reference = torch.cat([reference, new], dim=-2)
+        assert torch.equal(history, reference)
+    # a decode step into a room with space keeps it (no copy of the history)
+    ptr = room.data_ptr()
+    history, room = appended(history, room, torch.randn(2, 1, 1, 8, generator=gen))
+    assert room.data_ptr() == ptr and history.data_ptr() == ptr
+
+
 def test_bf16_generation_equals_the_unpatched_model(model):
     prompt = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(3))
     reference = greedy(model, prompt, steps=16).sequences

@@ -4,7 +4,8 @@ Quantization is per token, so the dequantized history is the concatenation of ea
 dequantized copy: re-quantizing the whole history every decode step (what the simulator did)
 computes exactly the same values at O(T) cost per step. `DequantizedLatentLayer` is transformers'
 `DynamicLayer` plus that copy: raw `c`/`k_R` stay in `keys`/`values` (the protected tokens read
-them), `keys_hat`/`values_hat` hold the dequantized ones, and every cache operation (crop, beam
+them), `keys_hat`/`values_hat` hold the dequantized ones, all four appended in place (`appended`:
+a step copies its own tokens, not the history), and every cache operation (crop, beam
 reorder, batch repeat/select, reset) applies to both. The patched forward upgrades a plain
 `DynamicLayer` in place on first use (only attributes are added), so `model.generate` needs no
 special cache; any other layer type falls back to re-quantizing the history.
@@ -19,10 +20,47 @@ from quantmla.quant import qdq_content, qdq_rope
 from quantmla.spec import QuantizerSpec
 
 
+def appended(history: torch.Tensor | None, room: torch.Tensor | None, new: torch.Tensor):
+    """(history + new along the token axis −2, the room holding it): `new` is written into the
+    spare rows of `room` when `history` is its prefix, else into a new room with half as many rows
+    again to spare — a decode step copies its own tokens, not the whole history (as `torch.cat`)."""
+    n = history.shape[-2] if history is not None and history.numel() else 0
+    end = n + new.shape[-2]
+    fits = (
+        n
+        and room is not None
+        and history.data_ptr() == room.data_ptr()
+        and history.stride() == room.stride()
+        and history.shape[:-2] == new.shape[:-2] == room.shape[:-2]
+        and room.dtype == new.dtype
+        and room.shape[-2] >= end
+    )
+    if not fits:
+        room = new.new_empty((*new.shape[:-2], end + end // 2 + 16, new.shape[-1]))
+        if n:
+            room[..., :n, :] = history
+    room[..., n:end, :] = new
+    return room[..., :end, :], room
+
+
 class DequantizedLatentLayer(DynamicLayer):
     keys_hat: torch.Tensor | None = None
     values_hat: torch.Tensor | None = None
     hat_spec: QuantizerSpec | None = None
+    rooms: dict | None = None  # name -> the tensor whose prefix that attribute is (`appended`)
+
+    def _append(self, name: str, new: torch.Tensor) -> None:
+        self.rooms = self.rooms or {}
+        value, self.rooms[name] = appended(getattr(self, name), self.rooms.get(name), new)
+        setattr(self, name, value)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """DynamicLayer's update, appending in place (`appended`) instead of concatenating."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._append("keys", key_states)
+        self._append("values", value_states)
+        return self.keys, self.values
 
     def dequantized(
         self, new_keys: torch.Tensor, new_values: torch.Tensor, spec: QuantizerSpec
@@ -36,8 +74,8 @@ class DequantizedLatentLayer(DynamicLayer):
             and self.keys_hat.shape[-2] + n == total
         )
         if in_step:
-            self.keys_hat = torch.cat([self.keys_hat, qdq_content(spec, new_keys)], dim=-2)
-            self.values_hat = torch.cat([self.values_hat, qdq_rope(spec, new_values)], dim=-2)
+            self._append("keys_hat", qdq_content(spec, new_keys))
+            self._append("values_hat", qdq_rope(spec, new_values))
         else:
             self.keys_hat, self.values_hat = (
                 qdq_content(spec, self.keys),
@@ -69,7 +107,7 @@ class DequantizedLatentLayer(DynamicLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.keys_hat = self.values_hat = self.hat_spec = None
+        self.keys_hat = self.values_hat = self.hat_spec = self.rooms = None
 
 
 def dequantized_layer(cache, layer_idx: int) -> DequantizedLatentLayer | None:
