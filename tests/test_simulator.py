@@ -30,6 +30,21 @@ def tokens(seed=0, length=T):
     return torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(seed))
 
 
+def greedy(model, ids, steps, mask=None, **kwargs):
+    """`model.generate`'s greedy run of exactly `steps` tokens, with its step logits (pad id 0)."""
+    return model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids) if mask is None else mask,
+        max_new_tokens=steps,
+        min_new_tokens=steps,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        **kwargs,
+    )
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("form", ["expanded", "absorbed"])
 def test_bf16_patch_is_transparent(fresh, form):
@@ -79,16 +94,7 @@ def test_prefill_equals_generate_steps_with_protection(fresh):
         1
     )  # token 0 is the pad id: keep it out of the prompt
     patch_model(fresh, "c4r4", sink=2, recent=5)
-    out = fresh.generate(
-        prompt,
-        attention_mask=torch.ones_like(prompt),
-        max_new_tokens=10,
-        min_new_tokens=10,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
+    out = greedy(fresh, prompt, 10)
     steps = torch.stack(out.logits, dim=1)
     prefill = fresh(out.sequences).logits[:, prompt.shape[1] - 1 : -1]
     assert rel_err(steps, prefill) <= 1e-5
@@ -105,16 +111,7 @@ def test_left_padded_row_generates_what_the_sequence_generates_alone(fresh, prec
     short, pad = short[:9], 14 - 9
     batch = torch.stack([long, torch.cat([torch.zeros(pad, dtype=short.dtype), short])])
     mask = (torch.arange(14)[None] >= torch.tensor([[0], [pad]])).long()
-    kwargs = dict(
-        max_new_tokens=6,
-        min_new_tokens=6,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
-    together = fresh.generate(batch, attention_mask=mask, **kwargs)
-    alone = fresh.generate(short[None], attention_mask=torch.ones_like(short[None]), **kwargs)
+    together, alone = greedy(fresh, batch, 6, mask), greedy(fresh, short[None], 6)
     assert rel_err(torch.stack(together.logits)[:, 1], torch.stack(alone.logits)[:, 0]) <= 1e-5
 
 
@@ -123,18 +120,9 @@ def test_packed_backend_generates_what_the_simulator_generates(fresh):
     """cache.backend=packed on every family's attention path (real d_c/d_r, random weights)."""
     prompt = tokens(5, length=12)[:1].clamp_min(1)
     patch_model(fresh, "c4r4", sink=2, recent=5)
-    kwargs = dict(
-        attention_mask=torch.ones_like(prompt),
-        max_new_tokens=8,
-        min_new_tokens=8,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
-    simulated = fresh.generate(prompt, **kwargs)
+    simulated = greedy(fresh, prompt, 8)
     set_policy(fresh, backend="packed", kernel="torch")
-    packed = fresh.generate(prompt, cache=DynamicCache(config=fresh.config), **kwargs)
+    packed = greedy(fresh, prompt, 8, cache=DynamicCache(config=fresh.config))
     assert torch.equal(packed.sequences, simulated.sequences)
     assert rel_err(torch.stack(packed.logits), torch.stack(simulated.logits)) <= 1e-4
 
