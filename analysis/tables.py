@@ -49,6 +49,7 @@ from analysis.common import (
     output_name,
     wandb_logger,
 )
+from quantmla.evaluation.lm_eval.suites import TASKS
 from quantmla.methods.registry import METHODS
 from quantmla.tracking.store import load_records
 
@@ -74,7 +75,8 @@ class Column:
         if value is None:
             return None, ""
         err = metrics.get(self.stderr) if self.stderr else None
-        return self.fmt.format(value), "" if err is None else f" ± {self.fmt.format(err)}"
+        shown_err = "" if err is None else f" ± {self.fmt.replace('+', '').format(err)}"
+        return self.fmt.format(value), shown_err
 
 
 @dataclass(frozen=True)
@@ -87,14 +89,36 @@ class Layout:
     precisions: tuple[str, ...] | None = None  # rows of these precisions only (None: all)
     per_length: bool = False  # metrics keyed `<metric>@<model.eval_seqlen>`: one column per length
     changed: tuple[str, ...] = ()  # tasks whose per-document scores are compared with BF16's
+    paired: tuple[str, ...] = ()  # tasks whose per-document change from BF16 is a column (PAIRED)
     paper_model: str | None = None  # the paper's model whose numbers stand beside a testbed's
 
 
 def _task_columns(tasks, stderr: bool = False):
-    from quantmla.evaluation.lm_eval.suites import TASKS
-
     return tuple(
-        Column(f"acc/{t}", TASKS[t].label, "{:.2f}", True, t, f"acc_stderr/{t}" if stderr else None)
+        Column(
+            f"acc/{t}",
+            TASKS[t].label,
+            "{:.2f}" if TASKS[t].percent else "{:.4f}",
+            TASKS[t].higher_is_better,
+            t,
+            f"acc_stderr/{t}" if stderr else None,
+        )
+        for t in tasks
+    )
+
+
+PAIRED = "paired"  # metrics paired/<task>, paired_se/<task>: a cell's per-document change from BF16
+
+
+def _paired_columns(tasks):
+    return tuple(
+        Column(
+            f"{PAIRED}/{t}",
+            f"{TASKS[t].label} − BF16 (paired)",
+            "{:+.2f}" if TASKS[t].percent else "{:+.4f}",
+            TASKS[t].higher_is_better,
+            stderr=f"{PAIRED}_se/{t}",
+        )
         for t in tasks
     )
 
@@ -137,8 +161,9 @@ SMOL = (
     *_task_columns(SMOL_FEWSHOT, stderr=True),
     *(
         replace(c, header=f"{c.header} 5-shot")
-        for c in _task_columns(("mmlu", "gsm8k"), stderr=True)
+        for c in _task_columns(("mmlu", "gsm8k", "gsm8k_reference"), stderr=True)
     ),
+    *_paired_columns(("gsm8k_reference",)),
 )
 RULER_TASKS = ("s_niah_1", "s_niah_2", "s_niah_3")
 # Fig. 4 twin: RULER S-NIAH accuracy per context length and its average (the paper's averages,
@@ -158,7 +183,11 @@ LAYOUTS = {
     "tiny_table1": Layout("tiny_table1", TINY, tuple(f"acc/{t}" for t in TINY_TASKS)),
     "tiny_table1_v2": Layout("tiny_table1_v2", TINY_V2),
     "smol_table1": Layout(
-        "smol_table1", SMOL, tuple(f"acc/{t}" for t in SMOL_FEWSHOT), changed=SMOL_FEWSHOT
+        "smol_table1",
+        SMOL,
+        tuple(f"acc/{t}" for t in SMOL_FEWSHOT),
+        changed=SMOL_FEWSHOT,
+        paired=("gsm8k_reference",),
     ),
     # the C2R4 baselines with one path quantized (c2r16: content only, c16r4: RoPE only) beside
     # both (the Table 1 twin's C2R4 rows)
@@ -209,6 +238,21 @@ def _changed_share(metrics: dict, bf16: dict | None, layout: Layout) -> float | 
     return None if changed is None else 100 * float(changed.mean())
 
 
+def _paired_change(metrics: dict, bf16: dict | None, task: str) -> tuple[float, float] | None:
+    """A quantized cell's mean per-document change of `task`'s metric from BF16's, and its standard
+    error over the documents (in the metric's recorded unit); None without both cells' scores."""
+    import numpy as np
+
+    if bf16 is None or metrics is bf16:
+        return None
+    ours, ref = (m.get(f"docs/{task}") for m in (metrics, bf16))
+    if ours is None or ref is None or len(ours) != len(ref) or len(ours) < 2:
+        return None
+    scale = 100 if TASKS[task].percent else 1
+    d = scale * (np.asarray(ours, float) - np.asarray(ref, float))
+    return float(d.mean()), float(d.std(ddof=1) / np.sqrt(d.size))
+
+
 def method_variant(method: dict) -> str:
     """A method's row: its name, and the extension settings its calibration holds off the paper's
     defaults (`quantmla.config.CALIBRATION_HASH_NEUTRAL`: a record keeps them only then), so a
@@ -242,6 +286,11 @@ def build(records: list[dict], layout: Layout, paper: dict | None = None) -> lis
         for metrics in cells.values():
             metrics["avg"] = _average(metrics, layout.average)
         columns.append(Column("avg", "Avg", "{:.2f}", True, "avg"))
+    for task in layout.paired:
+        for (model, _, _), metrics in cells.items():
+            change = _paired_change(metrics, cells.get((model, "bf16", "rtn")), task)
+            if change is not None:
+                metrics[f"{PAIRED}/{task}"], metrics[f"{PAIRED}_se/{task}"] = change
     if layout.changed:  # the paired view: how many documents the cache scores unlike BF16
         for (model, _, _), metrics in cells.items():
             metrics[CHANGED] = _changed_share(metrics, cells.get((model, "bf16", "rtn")), layout)

@@ -320,6 +320,12 @@ JOBS = (
         "19 min alone (capture 4, α search 2, 300 steps 10), then 4 min a cell",
         ("experiment=smol_table1", "experiment_name=smol_rope_hadamard", "method=quantmla",
          "precision=c16rmxfp4,cmxfp4rmxfp4", "method.calibration.rope_hadamard=true")),
+    # job 13: GSM8K's exact match is 0-2 % in every row, BF16's included, so it ranks nothing; the
+    # reference solutions teacher-forced after a shared 5-shot prompt do, one forward a document
+    Job("GSM8K reference solutions", "GSM8K column that ranks caches at 135M: each reference "
+        "solution's bits per byte after a 5-shot prompt, every row, 250 documents (paired vs BF16)",
+        "not measured: ~1.5-2.5 s a document beside a campaign job",
+        (*SUITE, "eval.tasks=[gsm8k_reference]", "eval.limit=250", *GRID)),
 )  # fmt: skip
 
 

@@ -123,6 +123,31 @@ def test_smol_table1_counts_the_documents_each_cache_scores_unlike_bf16():
     assert by[("C2R4", "QuaRot†")] == "—" and by[("BF16", "—")] == "—"  # not every task; itself
 
 
+def test_smol_table1_pairs_gsm8k_reference_bits_per_byte_with_bf16():
+    """Δ = mean per-document change, ± its standard error (sample std / √n); lower is better."""
+    bf16 = [0.8, 0.9, 1.0, 0.7]
+    rows = {"rtn": [1.0, 1.2, 1.1, 0.9], "quantmla": [0.85, 0.9, 1.05, 0.75]}
+    records = [record("smol_mla", "bf16", "rtn", **{"docs/gsm8k_reference": bf16})]
+    for method, docs in rows.items():
+        records.append(
+            record(
+                "smol_mla",
+                "c2r4",
+                method,
+                **{"acc/gsm8k_reference": sum(docs) / 4, "docs/gsm8k_reference": docs},
+            )
+        )
+    header, *body = build(records, LAYOUTS["smol_table1"])
+    by = {(r[1], r[2]): r for r in body}
+    paired = header.index("GSM8K ref. bits/byte − BF16 (paired)")
+    # RTN: changes 0.2, 0.3, 0.1, 0.2: mean 0.2, std sqrt(0.02 / 3), se that / 2
+    assert by[("C2R4", "RTN")][paired] == f"+0.2000 ± {(0.02 / 3) ** 0.5 / 2:.4f}"
+    assert by[("C2R4", "QuantMLA")][paired] == f"**+0.0375** ± {(0.001875 / 3) ** 0.5 / 2:.4f}"
+    assert by[("C2R4", "QuaRot†")][paired] == "—" and by[("BF16", "—")][paired] == "—"
+    value = header.index("GSM8K ref. bits/byte 5-shot")
+    assert by[("C2R4", "QuantMLA")][value] == "**0.8875**"  # the lower mean: bold
+
+
 def test_fig4_and_fig5b_draw_from_records(tmp_path):
     from analysis.figures import fig4, fig5b
 

@@ -4,6 +4,7 @@ stops before anything loads."""
 
 import ast
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,24 @@ def test_gsm8k_local_prompts_equal_upstream_prompts_with_5_shots(manager):
     assert local == upstream
     context = local["gsm8k"][0][0]
     assert context.count("Question:") == 6  # 5 exemplars + the question
+
+
+def gsm8k_reference_prompt(doc: dict) -> str:
+    """GSM8K's 5-shot prompt in upstream's format with the first 5 train examples (built here)."""
+    shots = _jsonl(DATA_DIR / "gsm8k" / "train.jsonl")[:5]
+    examples = "".join(f"Question: {d['question']}\nAnswer: {d['answer']}\n\n" for d in shots)
+    return examples + f"Question: {doc['question']}\nAnswer:"
+
+
+def test_gsm8k_reference_scores_each_solution_after_the_first_5_train_examples(manager):
+    test = _jsonl(DATA_DIR / "gsm8k" / "test.jsonl")[:3]
+    local = requests(manager, "quantmla_gsm8k_reference_local", limit=3)
+    assert local["quantmla_gsm8k_reference"] == [
+        (gsm8k_reference_prompt(d), " " + d["answer"]) for d in test
+    ]
+    doc = {"answer": "é 4"}  # 4 UTF-8 bytes after the delimiter's space
+    bpb = local_docs.reference_bits_per_byte(doc, [(-2 * math.log(2), False)])
+    assert bpb == {"bpb": pytest.approx(2 / 5)}
 
 
 def test_mmlu_converted_files_build_the_original_format_prompts(manager):
@@ -225,6 +244,43 @@ def test_local_tasks_score_4_documents_on_the_tiny_model_and_reach_the_store(tmp
         assert m[f"tokens_median/{name}"] > 1 and 0 <= m[f"beyond_protected/{name}"] <= 100
     assert "tokens_median/gsm8k" not in m  # generated: no log-likelihood requests
     assert [r["metrics"]["acc/avg"] for r in load_records(tmp_path)] == [m["acc/avg"]]
+
+
+@needs_tiny
+def test_gsm8k_reference_job_records_float64_bits_per_byte_per_document(tmp_path):
+    """The job's per-document bits per byte are each reference solution's, computed here in
+    float64 from the model's logits (no lm-eval); the column is their mean, not a rate."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantmla.run import run
+
+    overrides = [
+        f"paths.results_dir={tmp_path}",
+        f"paths.data_dir={DATA_DIR}",
+        "model=tiny_mla",
+        "eval=table1_suite",
+        "precision=bf16",
+        "eval.tasks=[gsm8k_reference]",
+        "eval.limit=2",
+        "logger=none",
+    ]
+    m = run(run_config(*overrides))["metrics"]
+    model = AutoModelForCausalLM.from_pretrained(TINY_MLA, dtype=torch.float64).eval()
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MLA)
+    expected = []
+    for doc in _jsonl(DATA_DIR / "gsm8k" / "test.jsonl")[:2]:
+        context, answer = gsm8k_reference_prompt(doc), " " + doc["answer"]
+        n = len(tokenizer(context).input_ids)  # lm-eval's default: the tokenizer's BOS, if any
+        ids = tokenizer(context + answer).input_ids
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].double()
+        logprobs = torch.log_softmax(logits[n - 1 : -1], dim=-1)
+        nats = logprobs.gather(1, torch.tensor(ids[n:])[:, None]).sum().item()
+        expected.append(-nats / math.log(2) / len(answer.encode("utf-8")))
+    assert m["docs/gsm8k_reference"] == pytest.approx(expected, rel=1e-4)
+    assert m["acc/gsm8k_reference"] == pytest.approx(sum(expected) / 2, rel=1e-4)
+    assert m["n/gsm8k_reference"] == 2 and "acc/avg" not in m  # bits per byte: not a rate
 
 
 @needs_tiny

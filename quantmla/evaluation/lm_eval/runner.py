@@ -205,7 +205,8 @@ def _members(task: str, groups: dict[str, list[str]]) -> list[str]:
 
 
 def evaluate(cfg, prepared) -> dict:
-    """acc/<task> (the paper's metric, in %), acc_stderr/<task>, n/<task>, and acc/avg."""
+    """acc/<task> (the paper's metric, in % for rates), acc_stderr/<task>, n/<task>, and acc/avg
+    (the rates' mean)."""
     import lm_eval
 
     ev = cfg.eval
@@ -229,10 +230,11 @@ def evaluate(cfg, prepared) -> dict:
         value = _number(row.get(t.metric))
         if value is None:
             raise KeyError(f"lm-eval reported no {t.metric} for {key}: {sorted(row)}")
-        metrics[f"acc/{t.name}"] = 100 * value
+        scale = 100 if t.percent else 1
+        metrics[f"acc/{t.name}"] = scale * value
         stderr = _number(row.get(f"{metric_name}_stderr,{filt}"))
         if stderr is not None:
-            metrics[f"acc_stderr/{t.name}"] = 100 * stderr
+            metrics[f"acc_stderr/{t.name}"] = scale * stderr
         names = _members(key, results.get("group_subtasks", {}))
         n_samples = results.get("n-samples", {})  # a group (MMLU): its members' documents
         metrics[f"n/{t.name}"] = sum(n_samples.get(name, {}).get("effective", 0) for name in names)
@@ -241,18 +243,23 @@ def evaluate(cfg, prepared) -> dict:
             metrics[f"docs/{t.name}"] = scores
         for name, value in prompt_metrics(names, lengths, protected).items():
             metrics[f"{name}/{t.name}"] = value
-    metrics["acc/avg"] = sum(metrics[f"acc/{t.name}"] for t in tasks) / len(tasks)
+    rates = [metrics[f"acc/{t.name}"] for t in tasks if t.percent]
+    if rates:
+        metrics["acc/avg"] = sum(rates) / len(rates)
     return attach_results(cfg, metrics, results)
 
 
 def format_table(record: dict) -> str:
+    """The record's tasks: rates in %, other metrics (bits per byte) in their own unit."""
     m = record["metrics"]
-    lines = [f"{'task':<18}{'metric %':>10}{'± stderr':>10}{'docs':>8}"]
+    lines = [f"{'task':<22}{'metric':>10}{'± stderr':>10}{'docs':>8}"]
     for name in record["config"]["eval"]["tasks"]:
+        fmt = ".2f" if TASKS[name].percent else ".4f"
         stderr = m.get(f"acc_stderr/{name}")
         lines.append(
-            f"{TASKS[name].label:<18}{m[f'acc/{name}']:>10.2f}"
-            f"{'' if stderr is None else f'{stderr:.2f}':>10}{m.get(f'n/{name}', 0):>8}"
+            f"{TASKS[name].label:<22}{m[f'acc/{name}']:>10{fmt}}"
+            f"{'' if stderr is None else f'{stderr:{fmt}}':>10}{m.get(f'n/{name}', 0):>8}"
         )
-    lines.append(f"{'average':<18}{m['acc/avg']:>10.2f}")
+    if "acc/avg" in m:
+        lines.append(f"{'average (rates)':<22}{m['acc/avg']:>10.2f}")
     return "\n".join(lines)

@@ -20,7 +20,7 @@ CODE_EVAL_ENV = "HF_ALLOW_CODE_EVAL"  # lm-eval's own opt-in for executing model
 
 @dataclass(frozen=True)
 class SuiteTask:
-    name: str  # column: metric keys acc/<name>, acc_stderr/<name>
+    name: str  # column: metric keys acc/<name>, acc_stderr/<name> (the metric, in % if `percent`)
     label: str  # paper's column header
     upstream: str  # lm-eval task or group
     metric: str  # lm-eval "<metric>,<filter>"
@@ -28,6 +28,8 @@ class SuiteTask:
     local: str | None = None  # project group reading <data_dir>; None: hub only
     code: bool = False  # executes model-written code
     num_fewshot: int | None = None  # set where upstream's YAML leaves it to the command line
+    percent: bool = True  # a rate, recorded in %; else recorded in the metric's own unit
+    higher_is_better: bool = True
 
     def spec(self, data: str) -> str | dict:
         """What lm-eval loads: the local group (which states its own shots), the upstream task,
@@ -52,8 +54,8 @@ class SuiteTask:
 UPSTREAM_GROUPS = {"mmlu"}  # upstream names that are lm-eval groups (of subject tasks), not tasks
 
 
-def _t(name, label, upstream, metric, hub, local=None, code=False, shots=None) -> SuiteTask:
-    return SuiteTask(name, label, upstream, metric, hub, local, code, shots)
+def _t(name, label, upstream, metric, hub, local=None, code=False, shots=None, **kw) -> SuiteTask:
+    return SuiteTask(name, label, upstream, metric, hub, local, code, shots, **kw)
 
 
 TASKS: dict[str, SuiteTask] = {
@@ -107,6 +109,16 @@ TASKS: dict[str, SuiteTask] = {
             )
         ),
         _t("gsm8k", "GSM8K", "gsm8k", "exact_match,strict-match", "openai/gsm8k", "quantmla_gsm8k"),
+        _t(  # ours: GSM8K's reference solutions teacher-forced, in bits per byte (tasks/ YAML)
+            "gsm8k_reference",
+            "GSM8K ref. bits/byte",
+            "quantmla_gsm8k_reference",
+            "bpb,none",
+            "openai/gsm8k",
+            "quantmla_gsm8k_reference_local",
+            percent=False,
+            higher_is_better=False,
+        ),
         _t("fda", "FDA", "fda", "contains,none", "hazyresearch/based-fda"),
         _t("swde", "SWDE", "swde", "contains,none", "hazyresearch/based-swde-v2"),
         _t(

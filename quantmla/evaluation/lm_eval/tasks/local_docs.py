@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 
 import datasets
@@ -167,6 +168,13 @@ def mmlu(subject: str, **kwargs):
 def gsm8k(**kwargs):
     folder = _data_dir(kwargs) / "gsm8k"
     return _splits(train=_jsonl(folder / "train.jsonl"), test=_jsonl(folder / "test.jsonl"))
+
+
+def reference_bits_per_byte(doc, results) -> dict[str, float]:
+    """A teacher-forced reference's bits per UTF-8 byte: the continuation lm-eval scored is
+    the task's target, " " + answer."""
+    loglikelihood, _ = results[0]
+    return {"bpb": -loglikelihood / math.log(2) / len((" " + doc["answer"]).encode("utf-8"))}
 
 
 def niah_single_1(**kwargs):
