@@ -383,3 +383,42 @@ def test_an_unseparated_margin_says_how_many_documents_each_cache_changes():
         "; documents whose outcome differs from BF16's: QuantMLA 2.0 %, QuaRot† 5.0 %, RTN 20.0 % "
         f"(QuantMLA − QuaRot† {lead.mean():+.1f} ± {se:.1f} paired)"
     )
+
+
+def reference_records(bpb: dict[tuple[str, str], np.ndarray]) -> list[dict]:
+    return [
+        {"experiment": "smol_table1",
+         "config": {"model": {"name": "smol_mla"}, "precision": {"name": p}, "method": {"name": m}},
+         "metrics": {"docs/gsm8k_reference": list(v), "acc/gsm8k_reference": float(v.mean())}}
+        for (p, m), v in bpb.items()
+    ]  # fmt: skip
+
+
+def test_gsm8k_reference_margin_is_paired_over_the_documents_lower_is_better():
+    rng = np.random.default_rng(1)
+    bf16 = rng.uniform(0.6, 1.2, 200)  # documents differ far more than the caches do
+    bpb = {("bf16", "rtn"): bf16, ("c2r4", "rtn"): bf16 + 0.20, ("c2r4", "smoothquant"): bf16 + 0.05,
+           ("c2r4", "quarot"): bf16 + 0.08 + rng.normal(0, 0.01, 200),
+           ("c2r4", "quantmla"): bf16 + 0.03 + rng.normal(0, 0.01, 200)}  # fmt: skip
+    d = bpb[("c2r4", "quantmla")] - bpb[("c2r4", "smoothquant")]
+    se = d.std(ddof=1) / np.sqrt(200)
+    value, verdict = smol_column(claims_rows(reference_records(bpb)), "On GSM8K, C2R4")
+    assert value == (
+        f"{d.mean():+.4f} ± {se:.4f} paired bits/byte vs SmoothQuant† "
+        f"({bpb[('c2r4', 'quantmla')].mean():.4f} vs {bf16.mean() + 0.05:.4f}; "
+        f"BF16 {bf16.mean():.4f}; 200 documents)"
+    )
+    assert verdict == "yes: order RTN < QuaRot† < SmoothQuant† < QuantMLA"
+    bpb[("c2r4", "quantmla")] = bf16 + 0.05 + rng.normal(0, 0.01, 200)  # level with SmoothQuant†
+    d = bpb[("c2r4", "quantmla")] - bpb[("c2r4", "smoothquant")]
+    _, verdict = smol_column(claims_rows(reference_records(bpb)), "On GSM8K, C2R4")
+    side = "behind" if d.mean() > 0 else "ahead"
+    apart = abs(d.mean()) / (d.std(ddof=1) / np.sqrt(200))
+    assert apart < 1.96 and verdict.startswith(f"**no**: {side} by {apart:.1f} standard errors")
+    value, verdict = smol_column(claims_rows(reference_records(bpb)), "On GSM8K, C4R4")
+    assert value == "—" and verdict == (
+        "—: no records of RTN C4R4, SmoothQuant† C4R4, QuaRot† C4R4, QuantMLA C4R4: "
+        "`python -m quantmla.run experiment=smol_table1 eval=table1_suite "
+        "eval.tasks=[gsm8k_reference] eval.limit=250 precision=c4r4 "
+        "method=rtn,smoothquant,quarot,quantmla`"
+    )
