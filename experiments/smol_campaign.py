@@ -326,6 +326,10 @@ JOBS = (
         "solution's bits per byte after a 5-shot prompt, every row, 250 documents (paired vs BF16)",
         "not measured: ~1.5-2.5 s a document beside a campaign job",
         (*SUITE, "eval.tasks=[gsm8k_reference]", "eval.limit=250", *GRID)),
+    Job("tiny-mla-v2 GSM8K reference solutions", "the claims table's tiny column of job 60's rows "
+        "(tiny-mla-v2 saw GSM8K's train split in training)", "~0.5 min a cell (50 documents: 21 s)",
+        ("experiment=tiny_table1_v2", "eval=table1_suite", "eval.tasks=[gsm8k_reference]",
+         "eval.limit=250", *GRID)),
 )  # fmt: skip
 
 
