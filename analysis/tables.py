@@ -193,9 +193,14 @@ LAYOUTS = {
     # both (the Table 1 twin's C2R4 rows)
     "smol_path_split": Layout(
         "smol_path_split",
-        TINY[:3],
+        (
+            *TINY[:3],
+            *_task_columns(("gsm8k_reference",), stderr=True),
+            *_paired_columns(("gsm8k_reference",)),
+        ),
         also=("smol_table1",),
         precisions=("bf16", "c2r4", "c2r16", "c16r4"),
+        paired=("gsm8k_reference",),
     ),  # fmt: skip
     "smol_fig4_ruler": Layout(
         "smol_fig4_ruler",

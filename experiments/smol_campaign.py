@@ -324,12 +324,20 @@ JOBS = (
     # reference solutions teacher-forced after a shared 5-shot prompt do, one forward a document
     Job("GSM8K reference solutions", "GSM8K column that ranks caches at 135M: each reference "
         "solution's bits per byte after a 5-shot prompt, every row, 250 documents (paired vs BF16)",
-        "not measured: ~1.5-2.5 s a document beside a campaign job",
+        "4.5 min BF16, 6-7 min a quantized cell (250 documents; beside a CI run)",
         (*SUITE, "eval.tasks=[gsm8k_reference]", "eval.limit=250", *GRID)),
     Job("tiny-mla-v2 GSM8K reference solutions", "the claims table's tiny column of job 60's rows "
         "(tiny-mla-v2 saw GSM8K's train split in training)", "~0.5 min a cell (50 documents: 21 s)",
         ("experiment=tiny_table1_v2", "eval=table1_suite", "eval.tasks=[gsm8k_reference]",
          "eval.limit=250", *GRID)),
+    # job 60: at C2R4 QuantMLA costs +0.016 bits/byte, QuaRot† +0.081, SmoothQuant† +0.092 (the
+    # paper's order; perplexity puts SmoothQuant† ahead of QuaRot†): which path carries each
+    Job("GSM8K reference solutions per path", "job 60's C2R4 rows with one path quantized: the "
+        "INT2 latent alone (C2R16) and the INT4 RoPE key alone (C16R4), every method (the path "
+        "split's units: nothing fitted)", "~6 min a cell beside other work",
+        ("experiment=smol_table1", "experiment_name=smol_path_split", "eval=table1_suite",
+         "eval.tasks=[gsm8k_reference]", "eval.limit=250", "precision=c2r16,c16r4",
+         "method=quantmla,rtn,quarot,smoothquant")),
 )  # fmt: skip
 
 
