@@ -275,8 +275,7 @@ def reference_margin(precision: str) -> Callable[..., Verdict]:
             f"({docs['quantmla'].mean():.4f} vs {docs[best].mean():.4f}; BF16 "
             f"{np.mean(bf16[key]):.4f}; {d.size} documents)"
         )
-        order = sorted(docs, key=lambda m: docs[m].mean(), reverse=True)  # worst first
-        ranked = "order " + " < ".join(LABEL[m] for m in order)
+        ranked = "order " + _order({m: v.mean() for m, v in docs.items()})
         apart = _apart(float(d.mean()), se)
         if apart > Z and d.mean() < 0:
             return Verdict(value, True, ranked)
@@ -284,6 +283,26 @@ def reference_margin(precision: str) -> Callable[..., Verdict]:
         return Verdict(value, False, f"{side} by {apart:.1f} standard errors; {ranked}")
 
     return measure
+
+
+def _order(worse: dict[str, float]) -> str:
+    """Methods by a lower-is-better value, worst first as the paper lists them."""
+    return " < ".join(LABEL[m] for m in sorted(worse, key=worse.get, reverse=True))
+
+
+def _reference_order(records: list[dict], precision: str) -> str:
+    """The methods' order on GSM8K's reference solutions at `precision` (mean bits per byte),
+    and whether it is the paper's; "" without every method's record."""
+    cells = {
+        m: _cell(records, precision, m, [f"acc/{REFERENCE}"]) for m in (*BASELINES, "quantmla")
+    }
+    if None in cells.values():
+        return ""
+    order = _order({m: c[f"acc/{REFERENCE}"] for m, c in cells.items()})
+    same = order == " < ".join(LABEL[m] for m in (*BASELINES, "quantmla"))
+    return f"; on GSM8K's reference solutions ({precision.upper()}, bits/byte) {order}" + (
+        ": the paper's order" if same else ""
+    )
 
 
 def _resolution(records: list[dict], se: float, bf16: FewShot | None) -> str:
@@ -300,6 +319,8 @@ def _resolution(records: list[dict], se: float, bf16: FewShot | None) -> str:
 
 
 def ranking(records, experiment, split=()) -> Verdict:
+    """The C2R4 perplexities' order (the rounding spread groups neighbours), and beside it the
+    order on GSM8K's reference solutions, the task the paper ranks the methods on."""
     ppl = {m: _ppl(records, "c2r4", m) for m in (*BASELINES, "quantmla")}
     if None in ppl.values():
         return _missing(experiment, cells={("c2r4", m): ppl[m] for m in ppl})
@@ -313,11 +334,12 @@ def ranking(records, experiment, split=()) -> Verdict:
     value = " < ".join(
         LABEL[g[0]] if len(g) == 1 else "{" + ", ".join(LABEL[m] for m in g) + "}" for g in groups
     )
+    task = _reference_order(records, "c2r4")
     if order != [*BASELINES, "quantmla"]:
-        return Verdict(value, False, "a different order" + _per_path(split, order))
+        return Verdict(value, False, "a different order" + _per_path(split, order) + task)
     if len(groups) < len(order):
-        return Verdict(value, False, "not separated")
-    return Verdict(value, True)
+        return Verdict(value, False, "not separated" + task)
+    return Verdict(value, True, task.removeprefix("; "))
 
 
 SPLIT = (("c2r16", "content alone"), ("c16r4", "RoPE alone"))  # one path quantized, the other BF16

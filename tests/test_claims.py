@@ -422,3 +422,21 @@ def test_gsm8k_reference_margin_is_paired_over_the_documents_lower_is_better():
         "eval.tasks=[gsm8k_reference] eval.limit=250 precision=c4r4 "
         "method=rtn,smoothquant,quarot,quantmla`"
     )
+
+
+def test_a_ranking_shows_the_gsm8k_reference_order_beside_the_perplexities():
+    ppl = {("bf16", "rtn"): 20.0, ("c2r4", "rtn"): 30.0, ("c2r4", "smoothquant"): 22.0,
+           ("c2r4", "quarot"): 24.0, ("c2r4", "quantmla"): 21.0}  # fmt: skip
+    bpb = {("c2r4", "rtn"): 0.9, ("c2r4", "smoothquant"): 0.85, ("c2r4", "quarot"): 0.83,
+           ("c2r4", "quantmla"): 0.77}  # fmt: skip
+    records = table1(ppl) + reference_records({k: np.full(4, v) for k, v in bpb.items()})
+    value, verdict = smol_column(claims_rows(records), "Ranking")
+    assert value == "RTN < QuaRot† < SmoothQuant† < QuantMLA"
+    assert verdict.startswith("**no**: a different order") and verdict.endswith(
+        "; on GSM8K's reference solutions (C2R4, bits/byte) RTN < SmoothQuant† < QuaRot† < "
+        "QuantMLA: the paper's order"
+    )
+    bpb[("c2r4", "smoothquant")] = 0.80  # now ahead of QuaRot† there too
+    records = table1(ppl) + reference_records({k: np.full(4, v) for k, v in bpb.items()})
+    verdict = smol_column(claims_rows(records), "Ranking")[1]
+    assert verdict.endswith("(C2R4, bits/byte) RTN < QuaRot† < SmoothQuant† < QuantMLA")
