@@ -324,7 +324,7 @@ JOBS = (
     # reference solutions teacher-forced after a shared 5-shot prompt do, one forward a document
     Job("GSM8K reference solutions", "GSM8K column that ranks caches at 135M: each reference "
         "solution's bits per byte after a 5-shot prompt, every row, 250 documents (paired vs BF16)",
-        "4.5 min BF16, 6-7 min a quantized cell (250 documents; beside a CI run)",
+        "3.2-6.9 min a cell (250 documents; most beside a CI run)",
         (*SUITE, "eval.tasks=[gsm8k_reference]", "eval.limit=250", *GRID)),
     Job("tiny-mla-v2 GSM8K reference solutions", "the claims table's tiny column of job 60's rows "
         "(tiny-mla-v2 saw GSM8K's train split in training)", "~0.5 min a cell (50 documents: 21 s)",
