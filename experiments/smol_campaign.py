@@ -327,7 +327,7 @@ JOBS = (
         "3.2-6.9 min a cell (250 documents; most beside a CI run)",
         (*SUITE, "eval.tasks=[gsm8k_reference]", "eval.limit=250", *GRID)),
     Job("tiny-mla-v2 GSM8K reference solutions", "the claims table's tiny column of job 60's rows "
-        "(tiny-mla-v2 saw GSM8K's train split in training)", "7 min: 9 cells (250 documents) beside job 60",
+        "(tiny-mla-v2 saw GSM8K's train split in training)", "7 min: 9 cells of 250 documents, alone",
         ("experiment=tiny_table1_v2", "eval=table1_suite", "eval.tasks=[gsm8k_reference]",
          "eval.limit=250", *GRID)),
     # job 60: at C2R4 QuantMLA costs +0.016 bits/byte, QuaRot† +0.081, SmoothQuant† +0.092 (the
