@@ -334,7 +334,7 @@ JOBS = (
     # paper's order; perplexity puts SmoothQuant† ahead of QuaRot†): which path carries each
     Job("GSM8K reference solutions per path", "job 60's C2R4 rows with one path quantized: the "
         "INT2 latent alone (C2R16) and the INT4 RoPE key alone (C16R4), every method (the path "
-        "split's units: nothing fitted)", "~6 min a cell beside other work",
+        "split's units: nothing fitted)", "4.6-6.7 min a cell (most beside a CI run)",
         ("experiment=smol_table1", "experiment_name=smol_path_split", "eval=table1_suite",
          "eval.tasks=[gsm8k_reference]", "eval.limit=250", "precision=c2r16,c16r4",
          "method=quantmla,rtn,quarot,smoothquant")),
