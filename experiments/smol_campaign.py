@@ -80,7 +80,7 @@ JOBS = (
     # generation decodes up to 256 tokens a document; batches of 25 cost about what batches of 4
     # do a step (SmolLM2-MLA C4R4 at 1,000 tokens: 0.52 s a step at 20, 0.30 at 4)
     Job("GSM8K 5-shot", "GSM8K column, every row, 50 documents (near zero at 135M: reported anyway)",
-        "12.6-13.2 min a cell alone (2 batches of 25)",
+        "8.4-13.2 min a cell alone (2 batches of 25)",
         (*SUITE, "eval.tasks=[gsm8k]", "eval.limit=50", "eval.batch_size=25", *GRID)),
     Job("few-shot QuantMLA C2R4", "QuantMLA's few-shot row (fits C2R4 unless its artifact exists)",
         "~1 h fit + 30 min", (*FEWSHOT, "precision=c2r4", "method=quantmla")),
