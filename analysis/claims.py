@@ -249,9 +249,8 @@ def c2r4_margin_points(records, experiment) -> Verdict:
     return Verdict(value, False, why)
 
 
-REFERENCE = (
-    "gsm8k_reference"  # GSM8K's reference solutions teacher-forced: bits per byte, lower better
-)
+# GSM8K's reference solutions teacher-forced: bits per byte, lower is better
+REFERENCE = "gsm8k_reference"
 REFERENCE_RUN = f"eval=table1_suite eval.tasks=[{REFERENCE}] eval.limit=250"
 
 
