@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from analysis import probes, ruler_answer, sensitivity, throughput
-from analysis.common import changed_documents
+from analysis.common import changed_documents, paired_change
 
 # each testbed's model and the experiments its claims read (a shared one is filtered by model)
 TESTBEDS = {
@@ -241,10 +241,10 @@ def c2r4_margin_points(records, experiment) -> Verdict:
     changed = {m: changed_documents(c.docs, bf16.docs) if bf16 else None for m, c in cells.items()}
     if all(v is not None for v in changed.values()):  # what the averages hide, paired
         shares = ", ".join(f"{LABEL[m]} {100 * v.mean():.1f} %" for m, v in changed.items())
-        lead = 100 * (changed["quantmla"].astype(float) - changed[best])
+        lead, lead_se = paired_change(100 * changed["quantmla"], 100 * changed[best])
         why += (
             f"; documents whose outcome differs from BF16's: {shares} (QuantMLA − {LABEL[best]} "
-            f"{lead.mean():+.1f} ± {lead.std(ddof=1) / math.sqrt(lead.size):.1f} paired)"
+            f"{lead:+.1f} ± {lead_se:.1f} paired)"
         )
     return Verdict(value, False, why)
 
@@ -267,18 +267,17 @@ def reference_margin(precision: str) -> Callable[..., Verdict]:
             return _missing(experiment, REFERENCE_RUN, lacking)
         docs = {m: np.asarray(c[key], float) for m, c in cells.items()}
         best = min(BASELINES, key=lambda m: docs[m].mean())
-        d = docs["quantmla"] - docs[best]
-        se = float(d.std(ddof=1) / math.sqrt(d.size))
+        d, se = paired_change(docs["quantmla"], docs[best])
         value = (
-            f"{d.mean():+.4f} ± {se:.4f} paired bits/byte vs {LABEL[best]} "
+            f"{d:+.4f} ± {se:.4f} paired bits/byte vs {LABEL[best]} "
             f"({docs['quantmla'].mean():.4f} vs {docs[best].mean():.4f}; BF16 "
-            f"{np.mean(bf16[key]):.4f}; {d.size} documents)"
+            f"{np.mean(bf16[key]):.4f}; {docs[best].size} documents)"
         )
         ranked = "order " + _order({m: v.mean() for m, v in docs.items()})
-        apart = _apart(float(d.mean()), se)
-        if apart > Z and d.mean() < 0:
+        apart = _apart(d, se)
+        if apart > Z and d < 0:
             return Verdict(value, True, ranked)
-        side = "behind" if d.mean() > 0 else "ahead"
+        side = "behind" if d > 0 else "ahead"
         return Verdict(value, False, f"{side} by {apart:.1f} standard errors; {ranked}")
 
     return measure

@@ -1,6 +1,6 @@
 """What the table and figure builders share: the results store's default root, output names of
-an artifact's twins, the per-cell label of a study record, byte-deterministic figure saving and
-the `--wandb` flag."""
+an artifact's twins, the per-cell label of a study record, paired differences, byte-deterministic
+figure saving and the `--wandb` flag."""
 
 from __future__ import annotations
 
@@ -62,6 +62,22 @@ def cell(record: dict) -> str:
     """A study record's cell: dataset × seed."""
     c = record["config"]
     return f"{c['eval']['datasets'][0]}/seed{c['seed']}"
+
+
+def mean_se(values) -> tuple[float, float]:
+    """Mean and its standard error, sample std / √n."""
+    import numpy as np
+
+    d = np.asarray(values, float)
+    return float(d.mean()), float(d.std(ddof=1) / np.sqrt(d.size))
+
+
+def paired_change(a, b) -> tuple[float, float]:
+    """Mean of the per-item differences a − b (items scored by both records, in the same order)
+    and its standard error."""
+    import numpy as np
+
+    return mean_se(np.asarray(a, float) - np.asarray(b, float))
 
 
 def changed_documents(a: list | None, b: list | None):

@@ -8,13 +8,12 @@ NMSE; paired per-window spreads; the allocator's predicted output error against 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from analysis.common import pyplot, save
+from analysis.common import paired_change, pyplot, save
 from analysis.probes import spearman
 from quantmla.config import ALLOCATION_ERRORS
 from quantmla.memory import ENGINE_PRECISIONS, LAYOUTS
@@ -114,9 +113,8 @@ def delta_percent(p: Point, ref: Point, dataset: str) -> float:
 def paired(a: Point, b: Point, dataset: str) -> tuple[float, float]:
     """Δ log perplexity a − b (%, ≈ relative) and its standard error from the per-window differences
     (both records scored the same windows)."""
-    x, y = np.asarray(a.nll[dataset]), np.asarray(b.nll[dataset])
-    d = x - y
-    return 100.0 * float(d.mean()), 100.0 * float(d.std(ddof=1) / math.sqrt(len(d)))
+    mean, se = paired_change(a.nll[dataset], b.nll[dataset])
+    return 100.0 * mean, 100.0 * se
 
 
 def predictor(pts: list[Point], method: str, model: str) -> tuple[list[str], np.ndarray] | None:

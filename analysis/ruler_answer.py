@@ -4,9 +4,9 @@ same samples (`python -m analysis.tables ruler_answer`; experiment smol_ruler_an
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
+
+from analysis import common
 
 PRECISIONS = ("bf16", "c4r4", "c4r8", "c4r16", "c16r4", "c16r8")
 METHODS = ("rtn", "quantmla")
@@ -53,7 +53,8 @@ def copied(record: dict, task: str) -> float:
 
 
 def mean_se(d: np.ndarray) -> str:
-    return f"{d.mean():+.3f} ± {d.std(ddof=1) / math.sqrt(d.size):.3f}"
+    mean, se = common.mean_se(d)
+    return f"{mean:+.3f} ± {se:.3f}"
 
 
 def answer_rows(records: list[dict]) -> list[list[str]]:

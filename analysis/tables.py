@@ -47,6 +47,7 @@ from analysis.common import (
     changed_documents,
     default_results_dir,
     output_name,
+    paired_change,
     wandb_logger,
 )
 from quantmla.evaluation.lm_eval.suites import TASKS
@@ -246,16 +247,14 @@ def _changed_share(metrics: dict, bf16: dict | None, layout: Layout) -> float | 
 def _paired_change(metrics: dict, bf16: dict | None, task: str) -> tuple[float, float] | None:
     """A quantized cell's mean per-document change of `task`'s metric from BF16's, and its standard
     error over the documents (in the metric's recorded unit); None without both cells' scores."""
-    import numpy as np
-
     if bf16 is None or metrics is bf16:
         return None
     ours, ref = (m.get(f"docs/{task}") for m in (metrics, bf16))
     if ours is None or ref is None or len(ours) != len(ref) or len(ours) < 2:
         return None
     scale = 100 if TASKS[task].percent else 1
-    d = scale * (np.asarray(ours, float) - np.asarray(ref, float))
-    return float(d.mean()), float(d.std(ddof=1) / np.sqrt(d.size))
+    mean, se = paired_change(ours, ref)
+    return scale * mean, scale * se
 
 
 def method_variant(method: dict) -> str:
