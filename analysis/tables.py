@@ -10,6 +10,7 @@ bold), "—" for a missing cell (never zero), and the paper's own numbers beside
     python -m analysis.tables frontier | frontier_pairs [--experiment tiny_frontier]   # issue #23
     python -m analysis.tables smol_testbed | smol_outliers | smol_rtn_cost              # issue #39
     python -m analysis.tables smol_path_split    # the C2R4 baselines per path (issue #40)
+    python -m analysis.tables smol_path_split_gsm8k   # ... on GSM8K's question-and-answer text
     python -m analysis.tables smol_fig4_ruler    # RULER S-NIAH per context length (Fig. 4 twin)
     python -m analysis.tables layer_nmse --experiment smol_table1   # per-layer attention-output NMSE
     python -m analysis.tables rope_objective     # QuantMLA's RoPE path fitted to QK scores or output
@@ -203,6 +204,15 @@ LAYOUTS = {
         precisions=("bf16", "c2r4", "c2r16", "c16r4"),
         paired=("gsm8k_reference",),
     ),  # fmt: skip
+    # the same cells' perplexity and NMSE on GSM8K's question-and-answer text (its first 4 windows)
+    "smol_path_split_gsm8k": Layout(
+        "smol_path_split_gsm8k",
+        (
+            Column("ppl/gsm8k", "GSM8K text ppl", "{:.3f}", False),
+            Column("nmse/attn_mean", "attn-output NMSE", "{:.3e}", False),
+        ),
+        precisions=("bf16", "c2r4", "c2r16", "c16r4"),
+    ),
     "smol_fig4_ruler": Layout(
         "smol_fig4_ruler",
         RULER,

@@ -338,6 +338,15 @@ JOBS = (
         ("experiment=smol_table1", "experiment_name=smol_path_split", "eval=table1_suite",
          "eval.tasks=[gsm8k_reference]", "eval.limit=250", "precision=c2r16,c16r4",
          "method=quantmla,rtn,quarot,smoothquant")),
+    # job 62: SmoothQuant†'s two paths cost +0.023 bits/byte more together than alone; WikiText-2's
+    # NMSE shows no such excess: the same windows' measures on GSM8K's own text
+    Job("GSM8K text per path", "perplexity and attention-output NMSE on the GSM8K test set's "
+        "question-and-answer text (8 windows of 2,048; NMSE on 4): BF16 and every method at C2R4, "
+        "C2R16 and C16R4, whether each method's paths interact on GSM8K's text as on its solutions",
+        "not measured: ~2 min a cell (job 28's, one dataset)",
+        ("experiment=smol_table1", "experiment_name=smol_path_split_gsm8k", "eval.datasets=[gsm8k]",
+         "+eval.splits.gsm8k=test", "precision=bf16,c2r4,c2r16,c16r4",
+         "method=quantmla,rtn,quarot,smoothquant")),
 )  # fmt: skip
 
 

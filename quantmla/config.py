@@ -328,7 +328,7 @@ def calibrated_rope_online(calibration) -> str | None:
     return "hadamard" if calibration.rope_hadamard else None
 
 
-DATASETS = ("wikitext2", "c4")
+DATASETS = ("wikitext2", "c4", "gsm8k")  # gsm8k: question-and-answer documents (`data.sources`)
 LOGGERS = ("wandb", "none")
 
 

@@ -180,6 +180,11 @@ def test_precision_without_a_preset_file_routes_to_its_name():
             "error: group_size=48 is not allowed; allowed: a divisor of d_c=128",
         ),
         (["method.name=gptq"], "error: method.name='gptq' is not allowed"),
+        (["eval.datasets=[imagenet]"], "error: eval.datasets='imagenet' is not allowed"),
+        (  # a dataset without its split in eval.splits
+            ["eval.datasets=[gsm8k]"],
+            "error: eval.splits.gsm8k=None is not allowed; allowed: test, train",
+        ),
     ],
 )
 def test_cli_config_errors_are_one_line_and_import_no_torch(args, expected, tmp_path):

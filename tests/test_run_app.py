@@ -88,3 +88,29 @@ def test_precision_without_preset_is_a_job(tmp_path):
     assert (
         record["config"]["precision"]["name"] == "c3r8" and record["metrics"]["ppl/wikitext2"] > 1
     )
+
+
+@needs_tiny
+def test_gsm8k_perplexity_is_the_models_loss_on_its_questions_and_answers(tmp_path):
+    """eval.datasets=[gsm8k]: the BF16 window NLL equals transformers' float64 loss on the first
+    window of the test set's "Question: …\\nAnswer: …" documents joined by blank lines (built here
+    from the file)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.conftest import DATA_DIR, TINY_MLA
+
+    job = tiny_job(tmp_path, "eval.datasets=[gsm8k]", "+eval.splits.gsm8k=test", "precision=bf16")
+    metrics = run(run_config(*job))["metrics"]
+    lines = (DATA_DIR / "gsm8k" / "test.jsonl").read_text(encoding="utf-8").splitlines()
+    docs = [json.loads(line) for line in lines if line]
+    text = "\n\n".join(f"Question: {d['question']}\nAnswer: {d['answer']}" for d in docs)
+    ids = AutoTokenizer.from_pretrained(TINY_MLA)(text, add_special_tokens=False).input_ids
+    window = torch.tensor(ids[:512])
+    model = AutoModelForCausalLM.from_pretrained(TINY_MLA, dtype=torch.float64).eval()
+    with torch.no_grad():
+        logits = model(window[None]).logits[0]
+    expected = float(F.cross_entropy(logits[:-1], window[1:]))
+    assert metrics["windows/gsm8k"] == 1
+    assert metrics["nll_windows/gsm8k"][0] == pytest.approx(expected, rel=1e-5)

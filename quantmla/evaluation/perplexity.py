@@ -53,13 +53,17 @@ def unigram_perplexity(windows) -> float:
 
 
 def check(cfg, job) -> None:
-    """eval.kind=perplexity: known datasets, a positive window count."""
+    """eval.kind=perplexity: known datasets, each with a known split, a positive window count."""
     from quantmla.config import DATASETS
+    from quantmla.data.sources import SOURCES
     from quantmla.errors import ConfigError
 
     for name in cfg.eval.datasets:
         if name not in DATASETS:
             raise ConfigError("eval.datasets", name, DATASETS)
+        split = cfg.eval.splits.get(name)
+        if split not in SOURCES[name]:
+            raise ConfigError(f"eval.splits.{name}", split, sorted(SOURCES[name]))
     if cfg.eval.max_windows is not None and cfg.eval.max_windows < 1:
         raise ConfigError("eval.max_windows", cfg.eval.max_windows, "null (all) or >= 1")
 
