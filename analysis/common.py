@@ -64,6 +64,17 @@ def cell(record: dict) -> str:
     return f"{c['eval']['datasets'][0]}/seed{c['seed']}"
 
 
+def method_variant(method: dict) -> str:
+    """A method's row: its name, and the extension settings its calibration holds off the paper's
+    defaults (`quantmla.config.CALIBRATION_HASH_NEUTRAL`: a record keeps them only then), so a
+    variant gets a row of its own instead of merging into the paper's."""
+    from quantmla.config import CALIBRATION_HASH_NEUTRAL
+
+    calibration = method.get("calibration") or {}
+    settings = [f"{k}={calibration[k]}" for k in CALIBRATION_HASH_NEUTRAL if k in calibration]
+    return ", ".join([method["name"], *settings])
+
+
 def mean_se(values) -> tuple[float, float]:
     """Mean and its standard error, sample std / √n."""
     import numpy as np

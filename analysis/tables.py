@@ -11,6 +11,7 @@ bold), "—" for a missing cell (never zero), and the paper's own numbers beside
     python -m analysis.tables smol_testbed | smol_outliers | smol_rtn_cost              # issue #39
     python -m analysis.tables smol_path_split    # the C2R4 baselines per path (issue #40)
     python -m analysis.tables smol_path_split_gsm8k   # ... on GSM8K's question-and-answer text
+    python -m analysis.tables path_interaction   # do the two paths' errors add up (C2R4 vs each alone)
     python -m analysis.tables smol_fig4_ruler    # RULER S-NIAH per context length (Fig. 4 twin)
     python -m analysis.tables layer_nmse --experiment smol_table1   # per-layer attention-output NMSE
     python -m analysis.tables rope_objective     # QuantMLA's RoPE path fitted to QK scores or output
@@ -35,6 +36,7 @@ from analysis import (
     costs,
     frontier,
     layer_nmse,
+    path_split,
     probes,
     rope_objective,
     rope_positions,
@@ -47,6 +49,7 @@ from analysis.common import (
     add_wandb_arguments,
     changed_documents,
     default_results_dir,
+    method_variant,
     output_name,
     paired_change,
     wandb_logger,
@@ -267,17 +270,6 @@ def _paired_change(metrics: dict, bf16: dict | None, task: str) -> tuple[float, 
     return scale * mean, scale * se
 
 
-def method_variant(method: dict) -> str:
-    """A method's row: its name, and the extension settings its calibration holds off the paper's
-    defaults (`quantmla.config.CALIBRATION_HASH_NEUTRAL`: a record keeps them only then), so a
-    variant gets a row of its own instead of merging into the paper's."""
-    from quantmla.config import CALIBRATION_HASH_NEUTRAL
-
-    calibration = method.get("calibration") or {}
-    settings = [f"{k}={calibration[k]}" for k in CALIBRATION_HASH_NEUTRAL if k in calibration]
-    return ", ".join([method["name"], *settings])
-
-
 def _method_label(variant: str) -> str:
     name, _, settings = variant.partition(", ")
     return METHOD_LABEL[name] + (f" ({settings})" if settings else "")
@@ -420,6 +412,7 @@ def study_tables(paper: dict) -> dict:
         "smol_outliers": (testbed.outlier_rows, "smol_testbed"),
         "smol_rtn_cost": (testbed.rtn_cost_rows, "smol_rtn_cost"),
         "layer_nmse": (layer_nmse.layer_rows, "table1"),
+        "path_interaction": (path_split.interaction_rows, ""),  # three experiments' records
         "rope_objective": (rope_objective.rope_objective_rows, ""),  # five experiments' records
         "rope_positions": (rope_positions.rope_position_rows, "smol_rope_positions"),
         "ruler_answer": (ruler_answer.answer_rows, "smol_ruler_answer"),
@@ -436,7 +429,7 @@ def study_tables(paper: dict) -> dict:
 STUDY_TABLES = (
     "table4", "table5", "table6", "allocation", "probe_layers", "frontier", "frontier_pairs", "fig5c_sweep",
     "smol_testbed", "smol_outliers", "smol_rtn_cost", "claims", "smol_costs", "layer_nmse",
-    "rope_objective", "rope_positions", "ruler_answer", "ruler_answer_paths",
+    "rope_objective", "rope_positions", "ruler_answer", "ruler_answer_paths", "path_interaction",
 )  # fmt: skip
 
 

@@ -374,3 +374,49 @@ def test_a_precision_off_the_paper_lists_only_the_methods_it_has():
     listed = [(r[1], r[2]) for r in rows[1:]]
     assert listed.count(("C4R4", "RTN")) == 1  # a paper precision: every method, missing as "—"
     assert [m for p, m in listed if p == "C4R8"] == ["QuantMLA"]
+
+
+def test_path_interaction_is_c2r4_minus_each_path_alone_plus_bf16_paired_per_item():
+    """Per window: C2R4 − C2R16 − C16R4 + BF16, mean ± sample-std/√n, and its share of the two
+    paths' summed change; NMSE without a BF16 term, by the dataset of its windows; an extension's
+    variant, another model or unmatched windows leave a cell out."""
+    from analysis.path_split import interaction_rows
+
+    def rec(precision, method, experiment="smol_path_split", datasets=("wikitext2",), **metrics):
+        r = record("smol_mla", precision, method, **metrics)
+        r["experiment"], r["config"]["eval"] = (
+            experiment,
+            {"kind": "perplexity", "datasets": list(datasets)},
+        )
+        return r
+
+    nll = {
+        "bf16": [2.0, 2.2, 2.4],
+        "c2r16": [2.5, 2.6, 3.0],
+        "c16r4": [2.1, 2.3, 2.5],
+        "c2r4": [2.7, 2.8, 3.3],
+    }
+    records = [
+        rec(p, "rtn" if p == "bf16" else "smoothquant", **{"nll_windows/wikitext2": v})
+        for p, v in nll.items()
+    ]
+    nmse = {"c2r16": 0.07, "c16r4": 0.003, "c2r4": 0.08}
+    records += [
+        rec(p, "smoothquant", "smol_path_split_gsm8k", ("gsm8k",), **{"nmse/attn_mean": v})
+        for p, v in nmse.items()
+    ]
+    variant = rec("c2r4", "smoothquant", "smol_path_split", **{"nll_windows/wikitext2": [9.0] * 3})
+    variant["config"]["method"]["calibration"] = {"rope_objective": "output"}
+    other = rec("c2r4", "quarot", **{"nll_windows/wikitext2": [2.9, 3.0, 3.1]})
+    other["config"]["model"]["name"] = "tiny_mla_v2"
+    short = rec("c2r4", "rtn", **{"nll_windows/wikitext2": [3.0, 3.0]})  # 2 windows, not 3
+    alone = [rec(p, "rtn", **{"nll_windows/wikitext2": [2.5] * 3}) for p in ("c2r16", "c16r4")]
+    records += [variant, other, short, *alone]
+    rows = {r[0]: r for r in interaction_rows(records)[1:]}
+    excess = [0.1, 0.1, 0.2]  # c2r4 − c2r16 − c16r4 + bf16 per window
+    mean, se = 0.4 / 3, (sum((x - 0.4 / 3) ** 2 for x in excess) / 2) ** 0.5 / 3**0.5
+    share = 100 * mean / ((0.5 + 0.4 + 0.6) / 3 + (0.1 + 0.1 + 0.1) / 3)
+    assert rows["SmoothQuant†"][1] == f"{100 * mean:+.2f} ± {100 * se:.2f} ({share:+.0f} %)"
+    assert rows["SmoothQuant†"][6] == f"{0.08 - 0.073:+.2e} ({100 * 0.007 / 0.073:+.0f} %)"
+    assert rows["SmoothQuant†"][5] == "—"  # no WikiText-2 NMSE records
+    assert rows["RTN"][1] == "—" and "QuaRot†" not in rows
