@@ -89,8 +89,8 @@ JOBS = (
     Job("mixed QuantMLA at 120 B", "the issue-#23 target: mixed vs uniform QuantMLA C2R4 at 120 B, "
         "no 1-bit latents, the output error model (job 32 first: the same allocation under RTN, "
         "at parity with uniform RTN C2R4)",
-        "≤ 1.5 h: the check, a fit of the units no earlier fit holds (C2R4's INT2 latents and INT4 "
-        "RoPE keys are held; run job 21 first for its MXFP4 ones); job 2's errors", ("experiment=smol_frontier", "method=quantmla", "precision=mixed",
+        "54 min beside other jobs: the joint check 33, its 18 RoPE units no earlier fit held 16 "
+        "(C2R4's INT2 latents and job 21's MXFP4 units reused); job 2's errors", ("experiment=smol_frontier", "method=quantmla", "precision=mixed",
                        "precision.budget_bytes=120", "precision.allocation_method=rtn", NO_1BIT,
                        "precision.allocation_error=output", "precision.joint_top=16",
                        "method.calibration.seqlen=512")),
@@ -343,7 +343,7 @@ JOBS = (
     Job("GSM8K text per path", "perplexity and attention-output NMSE on the GSM8K test set's "
         "question-and-answer text (8 windows of 2,048; NMSE on 4): BF16 and every method at C2R4, "
         "C2R16 and C16R4, whether each method's paths interact on GSM8K's text as on its solutions",
-        "not measured: ~2 min a cell (job 28's, one dataset)",
+        "2.3-6.5 min a cell (beside other jobs)",
         ("experiment=smol_table1", "experiment_name=smol_path_split_gsm8k", "eval.datasets=[gsm8k]",
          "+eval.splits.gsm8k=test", "precision=bf16,c2r4,c2r16,c16r4",
          "method=quantmla,rtn,quarot,smoothquant")),
