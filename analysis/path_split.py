@@ -1,7 +1,7 @@
 """Whether a cache's two paths add up: each method's C2R4 cell against its INT2 latent alone
 (C2R16) and its INT4 RoPE key alone (C16R4) on SmolLM2-MLA, as the interaction
 C2R4 − C2R16 − C16R4 + BF16 of each measure, paired per window or document where the records
-keep them (`python -m analysis.tables path_interaction`; campaign jobs 4, 28, 60, 62 and 63).
+keep them (`python -m analysis.tables path_interaction`; campaign jobs 4, 28, 60, 62, 63 and 64).
 Positive: both paths quantized cost more than the two alone add up to."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from analysis.common import mean_se, method_variant
 from quantmla.methods.registry import METHODS
 
 MODEL = "smol_mla"
-EXPERIMENTS = ("smol_table1", "smol_path_split", "smol_path_split_gsm8k")
+EXPERIMENTS = ("smol_table1", "smol_path_split", "smol_path_split_gsm8k", "smol_gsm8k_drawn")
 BOTH, CONTENT, ROPE = "c2r4", "c2r16", "c16r4"
 # (metric, header, scale, format): per-window NLLs (their mean is ln ppl, so the interaction in
 # ln ppl × 100 is ~% of perplexity), per-document bits/byte, and each record's NMSE by the
@@ -22,6 +22,7 @@ MEASURES = (
     ("nll_windows/c4", "C4 ppl (Δ ln × 100)", 100, "{:+.2f} ± {:.2f}"),
     ("nll_windows/gsm8k", "GSM8K text ppl (Δ ln × 100)", 100, "{:+.2f} ± {:.2f}"),
     ("docs/gsm8k_reference", "GSM8K ref. bits/byte", 1, "{:+.4f} ± {:.4f}"),
+    ("docs/gsm8k_reference_drawn", "GSM8K ref. bits/byte, drawn shots", 1, "{:+.4f} ± {:.4f}"),
     ("nmse/wikitext2", "attn-output NMSE, WikiText-2", 1, "{:+.2e}"),
     ("nmse/gsm8k", "attn-output NMSE, GSM8K text", 1, "{:+.2e}"),
 )

@@ -347,6 +347,15 @@ JOBS = (
         ("experiment=smol_table1", "experiment_name=smol_path_split_gsm8k", "eval.datasets=[gsm8k]",
          "+eval.splits.gsm8k=test", "precision=bf16,c2r4,c2r16,c16r4",
          "method=quantmla,rtn,quarot,smoothquant")),
+    # job 63: on GSM8K's text SmoothQuant†'s paths add up; job 62's 250 documents share one 5-shot
+    # prefix: the same solutions after each document's own shots (upstream gsm8k's prompts)
+    Job("GSM8K reference solutions, drawn shots", "job 60's and 62's cells with each document's "
+        "own 5 shots (lm-eval's seeded sampler), 100 documents: whether SmoothQuant†'s path "
+        "interaction and the C2R4 order hold on prompts that share no quantized prefix",
+        "not measured: ~10 min a cell alone (100 whole prompts of ~860 tokens)",
+        ("experiment=smol_table1", "experiment_name=smol_gsm8k_drawn", "eval=table1_suite",
+         "eval.tasks=[gsm8k_reference_drawn]", "eval.limit=100", "precision=bf16,c2r4,c2r16,c16r4",
+         "method=quantmla,rtn,quarot,smoothquant")),
 )  # fmt: skip
 
 

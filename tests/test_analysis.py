@@ -412,11 +412,13 @@ def test_path_interaction_is_c2r4_minus_each_path_alone_plus_bf16_paired_per_ite
     short = rec("c2r4", "rtn", **{"nll_windows/wikitext2": [3.0, 3.0]})  # 2 windows, not 3
     alone = [rec(p, "rtn", **{"nll_windows/wikitext2": [2.5] * 3}) for p in ("c2r16", "c16r4")]
     records += [variant, other, short, *alone]
-    rows = {r[0]: r for r in interaction_rows(records)[1:]}
+    header, *body = interaction_rows(records)
+    rows = {r[0]: dict(zip(header, r)) for r in body}
     excess = [0.1, 0.1, 0.2]  # c2r4 − c2r16 − c16r4 + bf16 per window
     mean, se = 0.4 / 3, (sum((x - 0.4 / 3) ** 2 for x in excess) / 2) ** 0.5 / 3**0.5
     share = 100 * mean / ((0.5 + 0.4 + 0.6) / 3 + (0.1 + 0.1 + 0.1) / 3)
-    assert rows["SmoothQuant†"][1] == f"{100 * mean:+.2f} ± {100 * se:.2f} ({share:+.0f} %)"
-    assert rows["SmoothQuant†"][6] == f"{0.08 - 0.073:+.2e} ({100 * 0.007 / 0.073:+.0f} %)"
-    assert rows["SmoothQuant†"][5] == "—"  # no WikiText-2 NMSE records
-    assert rows["RTN"][1] == "—" and "QuaRot†" not in rows
+    wikitext, nmse = "WikiText-2 ppl (Δ ln × 100)", "attn-output NMSE, {}"
+    assert rows["SmoothQuant†"][wikitext] == f"{100 * mean:+.2f} ± {100 * se:.2f} ({share:+.0f} %)"
+    assert rows["SmoothQuant†"][nmse.format("GSM8K text")] == f"{0.007:+.2e} ({700 / 73:+.0f} %)"
+    assert rows["SmoothQuant†"][nmse.format("WikiText-2")] == "—"  # no WikiText-2 NMSE records
+    assert rows["RTN"][wikitext] == "—" and "QuaRot†" not in rows

@@ -93,6 +93,23 @@ def test_gsm8k_reference_scores_each_solution_after_the_first_5_train_examples(m
     assert bpb == {"bpb": pytest.approx(2 / 5)}
 
 
+def test_gsm8k_reference_drawn_prompts_are_upstream_gsm8ks_each_with_its_own_shots(manager):
+    """The drawn variant's contexts are upstream gsm8k's 5-shot prompts (its seeded sampler), each
+    continued by the document's reference solution; the documents' shots differ."""
+    folder = DATA_DIR / "gsm8k"
+    docs = lambda **_: local_docs._splits(  # noqa: E731
+        train=_jsonl(folder / "train.jsonl"), test=_jsonl(folder / "test.jsonl")
+    )
+    upstream = requests(manager, upstream_with("gsm8k", docs), limit=4)["gsm8k"]
+    drawn = requests(manager, "quantmla_gsm8k_reference_drawn_local", limit=4)
+    test = _jsonl(folder / "test.jsonl")[:4]
+    pairs = drawn["quantmla_gsm8k_reference_drawn"]
+    assert [context for context, _ in pairs] == [context for context, _ in upstream]
+    assert [answer for _, answer in pairs] == [" " + d["answer"] for d in test]
+    assert len({context.split("\nAnswer:")[0] for context, _ in pairs}) == 4  # first shots differ
+    assert all(context.count("Question:") == 6 for context, _ in pairs)
+
+
 def test_mmlu_converted_files_build_the_original_format_prompts(manager):
     """The converted CSVs (what the local task reads) and hendrycks' original CSVs, through
     upstream's mmlu_high_school_chemistry: identical 5-shot prompts for all 203 questions."""

@@ -119,6 +119,16 @@ TASKS: dict[str, SuiteTask] = {
             percent=False,
             higher_is_better=False,
         ),
+        _t(  # ... each document with its own 5 examples, as upstream gsm8k draws them
+            "gsm8k_reference_drawn",
+            "GSM8K ref. bits/byte (drawn shots)",
+            "quantmla_gsm8k_reference_drawn",
+            "bpb,none",
+            "openai/gsm8k",
+            "quantmla_gsm8k_reference_drawn_local",
+            percent=False,
+            higher_is_better=False,
+        ),
         _t("fda", "FDA", "fda", "contains,none", "hazyresearch/based-fda"),
         _t("swde", "SWDE", "swde", "contains,none", "hazyresearch/based-swde-v2"),
         _t(
