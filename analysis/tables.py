@@ -412,7 +412,7 @@ def study_tables(paper: dict) -> dict:
         "smol_outliers": (testbed.outlier_rows, "smol_testbed"),
         "smol_rtn_cost": (testbed.rtn_cost_rows, "smol_rtn_cost"),
         "layer_nmse": (layer_nmse.layer_rows, "table1"),
-        "path_interaction": (path_split.interaction_rows, ""),  # three experiments' records
+        "path_interaction": (path_split.interaction_rows, ""),  # the path split's experiments
         "rope_objective": (rope_objective.rope_objective_rows, ""),  # five experiments' records
         "rope_positions": (rope_positions.rope_position_rows, "smol_rope_positions"),
         "ruler_answer": (ruler_answer.answer_rows, "smol_ruler_answer"),
