@@ -352,7 +352,7 @@ JOBS = (
     Job("GSM8K reference solutions, drawn shots", "job 60's and 62's cells with each document's "
         "own 5 shots (lm-eval's seeded sampler), 100 documents: whether SmoothQuant†'s path "
         "interaction and the C2R4 order hold on prompts that share no quantized prefix",
-        "not measured: ~10 min a cell alone (100 whole prompts of ~860 tokens)",
+        "8-13 min a cell beside other jobs (100 whole prompts, median 1,144 tokens)",
         ("experiment=smol_table1", "experiment_name=smol_gsm8k_drawn", "eval=table1_suite",
          "eval.tasks=[gsm8k_reference_drawn]", "eval.limit=100", "precision=bf16,c2r4,c2r16,c16r4",
          "method=quantmla,rtn,quarot,smoothquant")),
