@@ -328,7 +328,6 @@ def calibrated_rope_online(calibration) -> str | None:
     return "hadamard" if calibration.rope_hadamard else None
 
 
-DATASETS = ("wikitext2", "c4", "gsm8k")  # gsm8k: question-and-answer documents (`data.sources`)
 LOGGERS = ("wandb", "none")
 
 

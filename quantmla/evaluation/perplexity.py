@@ -54,13 +54,12 @@ def unigram_perplexity(windows) -> float:
 
 def check(cfg, job) -> None:
     """eval.kind=perplexity: known datasets, each with a known split, a positive window count."""
-    from quantmla.config import DATASETS
     from quantmla.data.sources import SOURCES
     from quantmla.errors import ConfigError
 
-    for name in cfg.eval.datasets:
-        if name not in DATASETS:
-            raise ConfigError("eval.datasets", name, DATASETS)
+    for name in cfg.eval.datasets:  # every text source is a perplexity dataset
+        if name not in SOURCES:
+            raise ConfigError("eval.datasets", name, sorted(SOURCES))
         split = cfg.eval.splits.get(name)
         if split not in SOURCES[name]:
             raise ConfigError(f"eval.splits.{name}", split, sorted(SOURCES[name]))
