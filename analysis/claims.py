@@ -32,6 +32,7 @@ TESTBEDS = {
         "throughput": "tiny_fig5c_paper_regime",
         "probes": "tiny_table5_probes",
         "ruler_answer": None,
+        "reference_drawn": None,
     },
     "SmolLM2-MLA": {
         "model": "smol_mla",
@@ -42,6 +43,7 @@ TESTBEDS = {
         "throughput": "smol_fig5c_throughput",
         "probes": "smol_table5_probes",
         "ruler_answer": "smol_ruler_answer",
+        "reference_drawn": "smol_gsm8k_drawn",
     },
 }
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "conf" / "experiment"
@@ -77,8 +79,8 @@ class Claim:
     text: str
     paper: str
     source: str  # the TESTBEDS key whose experiment it reads
-    measure: Callable[..., Verdict]  # (records, experiment[, records of `also`])
-    also: str | None = None  # a second TESTBEDS key whose records explain a verdict
+    measure: Callable[..., Verdict]  # (records, experiment, *records of each `also`)
+    also: tuple[str, ...] = ()  # further TESTBEDS keys whose records explain a verdict
 
 
 def _of(records: list[dict], experiment: str | None, model: str) -> list[dict]:
@@ -273,7 +275,7 @@ def reference_margin(precision: str) -> Callable[..., Verdict]:
             f"({docs['quantmla'].mean():.4f} vs {docs[best].mean():.4f}; BF16 "
             f"{np.mean(bf16[key]):.4f}; {docs[best].size} documents)"
         )
-        ranked = "order " + _order({m: v.mean() for m, v in docs.items()})
+        ranked = "order " + _reference_order(records, precision)
         apart = _apart(d, se)
         if apart > Z and d < 0:
             return Verdict(value, True, ranked)
@@ -283,24 +285,21 @@ def reference_margin(precision: str) -> Callable[..., Verdict]:
     return measure
 
 
-def _order(worse: dict[str, float]) -> str:
-    """Methods by a lower-is-better value, worst first as the paper lists them."""
-    return " < ".join(LABEL[m] for m in sorted(worse, key=worse.get, reverse=True))
-
-
-def _reference_order(records: list[dict], precision: str) -> str:
-    """The methods' order on GSM8K's reference solutions at `precision` (mean bits per byte),
-    and whether it is the paper's; "" without every method's record."""
-    cells = {
-        m: _cell(records, precision, m, [f"acc/{REFERENCE}"]) for m in (*BASELINES, "quantmla")
-    }
+def _reference_order(records: list[dict], precision: str, task: str = REFERENCE) -> str:
+    """The methods' order on GSM8K's reference solutions at `precision` (mean bits per byte, worst
+    first; neighbours within Z paired standard errors joined by ≈), and whether it is the paper's;
+    "" without every method's record."""
+    key = f"docs/{task}"
+    cells = {m: _cell(records, precision, m, [key]) for m in (*BASELINES, "quantmla")}
     if None in cells.values():
         return ""
-    order = _order({m: c[f"acc/{REFERENCE}"] for m, c in cells.items()})
+    docs = {m: np.asarray(c[key], float) for m, c in cells.items()}
+    worst = sorted(docs, key=lambda m: docs[m].mean(), reverse=True)
+    order = LABEL[worst[0]]
+    for a, b in zip(worst, worst[1:]):
+        order += (" < " if _apart(*paired_change(docs[b], docs[a])) > Z else " ≈ ") + LABEL[b]
     same = order == " < ".join(LABEL[m] for m in (*BASELINES, "quantmla"))
-    return f"; on GSM8K's reference solutions ({precision.upper()}, bits/byte) {order}" + (
-        ": the paper's order" if same else ""
-    )
+    return order + (": the paper's order" if same else "")
 
 
 def _resolution(records: list[dict], se: float, bf16: FewShot | None) -> str:
@@ -316,9 +315,10 @@ def _resolution(records: list[dict], se: float, bf16: FewShot | None) -> str:
     return text + f"; RTN C2R4, {ppl:+.1f} % ppl, is {d:+.1f} ± {d_se:.1f}{how} from BF16)"
 
 
-def ranking(records, experiment, split=()) -> Verdict:
+def ranking(records, experiment, split=(), drawn=()) -> Verdict:
     """The C2R4 perplexities' order (the rounding spread groups neighbours), and beside it the
-    order on GSM8K's reference solutions, the task the paper ranks the methods on."""
+    order on GSM8K's reference solutions, the task the paper ranks the methods on: after the
+    shared 5-shot prompt, then (`drawn`) after each document's own shots."""
     ppl = {m: _ppl(records, "c2r4", m) for m in (*BASELINES, "quantmla")}
     if None in ppl.values():
         return _missing(experiment, cells={("c2r4", m): ppl[m] for m in ppl})
@@ -332,7 +332,11 @@ def ranking(records, experiment, split=()) -> Verdict:
     value = " < ".join(
         LABEL[g[0]] if len(g) == 1 else "{" + ", ".join(LABEL[m] for m in g) + "}" for g in groups
     )
-    task = _reference_order(records, "c2r4")
+    task = ""
+    if shared := _reference_order(records, "c2r4"):
+        task = f"; on GSM8K's reference solutions (C2R4, bits/byte) {shared}"
+    if own := _reference_order(drawn, "c2r4", f"{REFERENCE}_drawn"):
+        task += f"; with each document's own 5 shots {own}"
     if order != [*BASELINES, "quantmla"]:
         return Verdict(value, False, "a different order" + _per_path(split, order) + task)
     if len(groups) < len(order):
@@ -532,11 +536,12 @@ CLAIMS = (
       for p, paper in (("c4r4", "GSM8K 35.25 vs QuaRot† 30.71 (DeepSeek-V2-Lite)"),
                        ("c2r4", "+7.20 / +10.84 points (the average)"))),
     Claim("Ranking RTN < SmoothQuant† < QuaRot† < QuantMLA (testbeds: C2R4 ppl)",
-          "GSM8K C4R4 16.98 < 24.56 < 30.71 < 35.25", "table1", ranking, also="path_split"),
+          "GSM8K C4R4 16.98 < 24.56 < 30.71 < 35.25", "table1", ranking,
+          also=("path_split", "reference_drawn")),
     Claim("The RoPE path is the more sensitive (model ratio R_P / R_C > 1)",
           "R_P > R_C (Table 4, 285 layers)", "sensitivity", rope_more_sensitive),
     Claim(f"RULER S-NIAH-1/2/3 at C4R4 (testbeds: within {RULER_WITHIN:g} points of BF16)",
-          "99.95 / 99.60 / 87.20", "ruler", ruler_c4r4, also="ruler_answer"),
+          "99.95 / 99.60 / 87.20", "ruler", ruler_c4r4, also=("ruler_answer",)),
     Claim("Cache-pressure throughput, C4R4 / BF16 (testbeds: median ≥ 3x)",
           "5.168x (2.61 → 13.51 tok/s)", "throughput", pressure_speedup),
     Claim("Whole-token permutation raises the content path's gain",
@@ -554,7 +559,7 @@ def claims_rows(records: list[dict]) -> list[list[str]]:
         row = [claim.text, claim.paper]
         for bed in TESTBEDS.values():
             experiment = bed[claim.source]
-            extra = (_of(records, bed[claim.also], bed["model"]),) if claim.also else ()
+            extra = (_of(records, bed[key], bed["model"]) for key in claim.also)
             verdict = claim.measure(_of(records, experiment, bed["model"]), experiment, *extra)
             mark = {True: "yes", False: "**no**", None: "—"}[verdict.reproduced]
             row += [verdict.value, f"{mark}: {verdict.reason}" if verdict.reason else mark]

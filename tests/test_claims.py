@@ -385,11 +385,13 @@ def test_an_unseparated_margin_says_how_many_documents_each_cache_changes():
     )
 
 
-def reference_records(bpb: dict[tuple[str, str], np.ndarray]) -> list[dict]:
+def reference_records(
+    bpb: dict[tuple[str, str], np.ndarray], experiment="smol_table1", task="gsm8k_reference"
+) -> list[dict]:
     return [
-        {"experiment": "smol_table1",
+        {"experiment": experiment,
          "config": {"model": {"name": "smol_mla"}, "precision": {"name": p}, "method": {"name": m}},
-         "metrics": {"docs/gsm8k_reference": list(v), "acc/gsm8k_reference": float(v.mean())}}
+         "metrics": {f"docs/{task}": list(v), f"acc/{task}": float(v.mean())}}
         for (p, m), v in bpb.items()
     ]  # fmt: skip
 
@@ -440,3 +442,26 @@ def test_a_ranking_shows_the_gsm8k_reference_order_beside_the_perplexities():
     records = table1(ppl) + reference_records({k: np.full(4, v) for k, v in bpb.items()})
     verdict = smol_column(claims_rows(records), "Ranking")[1]
     assert verdict.endswith("(C2R4, bits/byte) RTN < QuaRot† < SmoothQuant† < QuantMLA")
+
+
+def test_a_ranking_joins_methods_the_paired_documents_do_not_separate():
+    """Neighbours in the GSM8K order within 1.96 paired standard errors are joined by ≈, and the
+    drawn-shots task's order follows the shared prompt's."""
+    ppl = {("bf16", "rtn"): 20.0, ("c2r4", "rtn"): 30.0, ("c2r4", "smoothquant"): 22.0,
+           ("c2r4", "quarot"): 24.0, ("c2r4", "quantmla"): 21.0}  # fmt: skip
+    rng = np.random.default_rng(2)
+    base = rng.uniform(0.6, 1.2, 100)
+    shared = {("c2r4", "rtn"): base + 0.2, ("c2r4", "smoothquant"): base + 0.08,
+              ("c2r4", "quarot"): base + 0.07, ("c2r4", "quantmla"): base + 0.01}  # fmt: skip
+    noise = rng.normal(0, 0.05, 100)
+    drawn = {("c2r4", "rtn"): base + 0.2, ("c2r4", "smoothquant"): base + 0.08,
+             ("c2r4", "quarot"): base + 0.08 + noise, ("c2r4", "quantmla"): base + 0.01}  # fmt: skip
+    d = noise  # QuaRot† − SmoothQuant† with drawn shots: float64 paired reference
+    assert abs(d.mean()) < 1.96 * d.std(ddof=1) / np.sqrt(d.size)
+    worse = "QuaRot† ≈ SmoothQuant†" if d.mean() > 0 else "SmoothQuant† ≈ QuaRot†"
+    records = (table1(ppl) + reference_records(shared)
+               + reference_records(drawn, "smol_gsm8k_drawn", "gsm8k_reference_drawn"))  # fmt: skip
+    assert smol_column(claims_rows(records), "Ranking")[1].endswith(
+        "; on GSM8K's reference solutions (C2R4, bits/byte) RTN < SmoothQuant† < QuaRot† < "
+        f"QuantMLA: the paper's order; with each document's own 5 shots RTN < {worse} < QuantMLA"
+    )
