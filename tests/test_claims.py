@@ -465,3 +465,22 @@ def test_a_ranking_joins_methods_the_paired_documents_do_not_separate():
         "; on GSM8K's reference solutions (C2R4, bits/byte) RTN < SmoothQuant† < QuaRot† < "
         f"QuantMLA: the paper's order; with each document's own 5 shots RTN < {worse} < QuantMLA"
     )
+
+
+def test_gsm8k_margin_reads_the_whole_test_set_where_every_cell_has_it():
+    """The whole-test-set experiment's cells replace the 250-document ones only when complete."""
+    rng = np.random.default_rng(3)
+    cells = ("bf16", "rtn"), *(("c4r4", m) for m in ("rtn", "smoothquant", "quarot", "quantmla"))
+    shift = dict(zip(cells, (0.0, 0.02, 0.001, 0.006, 0.003)))
+    few, many = rng.uniform(0.6, 1.2, 250), rng.uniform(0.6, 1.2, 1319)
+    noise = {n: rng.normal(0, 0.002, (len(cells), n)) for n in (250, 1319)}
+    subset = {c: few + shift[c] + noise[250][i] for i, c in enumerate(cells)}
+    whole = {c: many + shift[c] + noise[1319][i] for i, c in enumerate(cells)}
+    d = whole[("c4r4", "quantmla")] - whole[("c4r4", "smoothquant")]  # float64 paired reference
+    records = reference_records(subset) + reference_records(whole, "smol_gsm8k_full")
+    value, _ = smol_column(claims_rows(records), "On GSM8K, C4R4")
+    assert value.startswith(f"{d.mean():+.4f} ± {d.std(ddof=1) / np.sqrt(d.size):.4f} paired")
+    assert value.endswith("; 1319 documents)")
+    del whole[("c4r4", "quarot")]  # incomplete: the 250 documents again
+    records = reference_records(subset) + reference_records(whole, "smol_gsm8k_full")
+    assert smol_column(claims_rows(records), "On GSM8K, C4R4")[0].endswith("; 250 documents)")
