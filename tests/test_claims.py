@@ -484,3 +484,25 @@ def test_gsm8k_margin_reads_the_whole_test_set_where_every_cell_has_it():
     del whole[("c4r4", "quarot")]  # incomplete: the 250 documents again
     records = reference_records(subset) + reference_records(whole, "smol_gsm8k_full")
     assert smol_column(claims_rows(records), "On GSM8K, C4R4")[0].endswith("; 250 documents)")
+
+
+def test_perplexity_rows_read_the_full_sets_where_every_cell_has_them():
+    """The full sets' 2,048-token records replace the first windows' per row when complete; their
+    4,096-token records never enter a 2,048 row."""
+    first = {("bf16", "rtn"): 20.0, ("c4r4", "quantmla"): 20.1, ("c2r4", "rtn"): 30.0,
+             ("c2r4", "smoothquant"): 25.0, ("c2r4", "quarot"): 22.0, ("c2r4", "quantmla"): 21.0}  # fmt: skip
+    full = {("bf16", "rtn"): 18.0, ("c4r4", "quantmla"): 18.36}  # +2.00 %: not within 1 %
+    at_4096 = {("bf16", "rtn"): 16.0, ("c4r4", "quantmla"): 16.0}  # read first, were it read
+    records = table1(first) + [
+        {**r, "config": {**r["config"], "model": {"name": "smol_mla", "eval_seqlen": n}}}
+        for n, cells in ((4096, at_4096), (2048, full))
+        for r in table1(cells, experiment="smol_table1_full")
+    ]  # fmt: skip
+    rows = claims_rows(records)
+    assert smol_column(rows, "C4R4 QuantMLA") == (
+        "+2.00 % ppl (full sets)",
+        "**no**: more than 1 % from BF16",
+    )
+    # the C2R4 rows need cells the full sets lack: the first windows, unlabelled
+    assert smol_column(rows, "C2R4 QuantMLA") == ("+5.00 % vs QuaRot† +10.00 %", "yes")
+    assert smol_column(rows, "Ranking")[0] == "RTN < SmoothQuant† < QuaRot† < QuantMLA"
