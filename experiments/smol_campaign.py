@@ -364,6 +364,12 @@ JOBS = (
         "documents scaled)",
         (*SUITE, "experiment_name=smol_gsm8k_full", "eval.tasks=[gsm8k_reference]",
          "precision=bf16,c4r4", "method=quantmla,rtn,quarot,smoothquant")),
+    # job 48: mixed QuantMLA at 152 B beats uniform C2R8 there; the other uniform format at 152 B
+    Job("Frontier, C3R4, QuantMLA", "uniform QuantMLA C3R4 (C2R8's 152 B) beside job 48's mixed "
+        "allocation at 152 B (job 46's INT3 content units, C4R4's INT4 RoPE units: nothing fitted)",
+        "not measured: ~5-15 min",
+        ("experiment=smol_frontier", "precision=c3r4", "method=quantmla",
+         "method.calibration.seqlen=512")),
 )  # fmt: skip
 
 
