@@ -285,16 +285,11 @@ def reference_margin(precision: str) -> Callable[..., Verdict]:
 
     def measure(records, experiment, whole=()) -> Verdict:
         key = f"docs/{REFERENCE}"
-
-        def cells_of(store):
-            found = {m: _cell(store, precision, m, [key]) for m in (*BASELINES, "quantmla")}
-            return found, _cell(store, "bf16", None, [key])
-
-        cells, bf16 = cells_of(whole)
-        if bf16 is None or None in cells.values():
-            cells, bf16 = cells_of(records)
-        else:
+        wanted = [("bf16", None), *((precision, m) for m in (*BASELINES, "quantmla"))]
+        if all(_cell(whole, p, m, [key]) is not None for p, m in wanted):
             records = whole
+        cells = {m: _cell(records, precision, m, [key]) for m in (*BASELINES, "quantmla")}
+        bf16 = _cell(records, "bf16", None, [key])
         if bf16 is None or None in cells.values():
             lacking = {("bf16", "rtn"): bf16} | {(precision, m): c for m, c in cells.items()}
             return _missing(experiment, REFERENCE_RUN, lacking)
