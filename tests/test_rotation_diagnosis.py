@@ -1,0 +1,79 @@
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from experiments.rotation_diagnosis import layer_report
+from quantmla.quant import qdq_content
+from quantmla.spec import QuantizerSpec
+from quantmla.transforms import hadamard, latent_magnitude
+
+SINK, RECENT, PROTECT = 2, 5, 3
+
+
+def per_query_nmse(module, adapter, proj, latent_hat, exact_keys) -> float:
+    """float64, one query at a time, by the expanded form: key t is read as `latent_hat[t]` unless
+    `exact_keys(i, t)`; NMSE of the post-o_proj output against every key exact."""
+    w = module.kv_b_proj.weight.double()
+    w_o = module.o_proj.weight.double()
+    g = adapter.geometry(module)
+    q = torch.cat([proj.q_nope[0], proj.q_rot[0]], -1).double()  # (H, n, d_nope + d_r)
+    c, c_hat, k_rot = proj.c[0].double(), latent_hat.double(), proj.k_rot[0].double()
+    err = ref = 0.0
+    for i in range(c.shape[0]):
+        outs = []
+        for latent in (
+            c[: i + 1],
+            torch.stack([c[t] if exact_keys(i, t) else c_hat[t] for t in range(i + 1)]),
+        ):
+            kv = F.linear(latent, w).view(i + 1, g.n_heads, -1).transpose(0, 1)
+            k = torch.cat([kv[..., : g.d_nope], k_rot[: i + 1].expand(g.n_heads, -1, -1)], -1)
+            p = (q[:, i : i + 1] @ k.transpose(1, 2) * g.scaling).softmax(-1)
+            outs.append((p @ kv[..., g.d_nope :]).flatten() @ w_o.T)
+        err += float((outs[1] - outs[0]).pow(2).sum())
+        ref += float(outs[0].pow(2).sum())
+    return err / ref
+
+
+@pytest.mark.parametrize("precision", ["cnvfp4r16", "c2r16"])
+def test_layer_report_matches_a_per_query_float64_reference(ctx, precision):
+    module = copy.deepcopy(ctx.modules[0])
+    adapter, spec = ctx.adapter, QuantizerSpec.from_precision(precision)
+    hidden, pe = ctx.store.inputs[0][:1], ctx.store.position_embeddings[0]
+    with torch.no_grad():
+        proj = adapter.project(module, hidden, pe)
+        row = layer_report(copy.deepcopy(module), adapter, hidden, pe, spec, SINK, RECENT, PROTECT)
+        # BF16 attention mass per key, by brute force: the protected tokens are its largest past the sinks
+        w_uk, _ = adapter.up_projections(module)
+        g = adapter.geometry(module)
+        mass = torch.zeros(hidden.shape[1], dtype=torch.float64)
+        for i in range(hidden.shape[1]):
+            s = torch.einsum("hd,hdc,tc->ht", proj.q_nope[0, :, i], w_uk, proj.c[0, : i + 1])
+            s = s + proj.q_rot[0, :, i] @ proj.k_rot[0, : i + 1].T
+            mass[: i + 1] += (s.double() * g.scaling).softmax(-1).sum(0)
+        top = set((mass[SINK:].topk(PROTECT).indices + SINK).tolist())
+        assert row["sink_mass"] == pytest.approx(float(mass[:SINK].sum() / mass.sum()), rel=1e-5)
+        assert row["top_mass"] == pytest.approx(
+            float(mass[sorted(top)].sum() / mass.sum()), rel=1e-5
+        )
+
+        gamma = module.kv_a_layernorm.weight.double()
+        h, m = hadamard(proj.c.shape[-1]), latent_magnitude(gamma)
+        rotated = (proj.c[0].double() / gamma) @ h * m  # what QuaRot†'s fused cache holds
+        hats = {
+            "rtn": qdq_content(spec, proj.c[0]),
+            "hadamard": qdq_content(spec, rotated) / m @ h.T * gamma,
+        }
+
+        def policy(i, t):
+            return t < SINK or i - t < RECENT
+
+        for name, c_hat in hats.items():
+            expected = per_query_nmse(module, adapter, proj, c_hat, policy)
+            kept = per_query_nmse(
+                module, adapter, proj, c_hat, lambda i, t: policy(i, t) or t in top
+            )
+            assert 0 < kept < expected
+            assert row[name] == pytest.approx(expected, rel=2e-3)
+            assert row[f"{name}_kept"] == pytest.approx(kept, rel=2e-3)
