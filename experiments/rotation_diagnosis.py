@@ -1,4 +1,4 @@
-"""Why QuaRot†'s Hadamard raises a latent format's attention-output error in some layers (#40).
+"""Who the attention reads past the sinks, and how much of a cache's error is theirs (#40).
 
 `python -m experiments.rotation_diagnosis --model checkpoints/smol-mla --precision cnvfp4r16`
 quantizes each layer's content latent alone (teacher-forced: every layer's clean inputs, the RoPE
@@ -7,12 +7,20 @@ key exact, the policy's sinks and recent band exact) as the cache stores it with
 who receives the attention past the sinks (the `--protect` tokens with the most BF16 attention
 mass: their share, the share of their latent's energy in its 4 largest channels, their value
 vectors' size against their latent's, each over the window's median token); and both NMSEs again
-with those tokens read exact as well — where the Hadamard's excess goes with them, it was theirs."""
+with those tokens read exact as well — where the Hadamard's excess goes with them, it was theirs.
+
+`python -m experiments.rotation_diagnosis --perplexity 2 experiment=smol_table1 model=smol_mla
+precision=c2r4 method=quantmla` prepares the run those Hydra overrides name (its method's
+artifact loaded, as `quantmla.run` does) and prints the perplexity of the first windows in BF16,
+under the policy, and with each layer's top `--protect` tokens exact too (chosen from that layer's
+own BF16 attention: an oracle, no rule that a cache could run)."""
 
 from __future__ import annotations
 
 import argparse
+import math
 from collections import Counter
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -20,27 +28,54 @@ import torch
 HEAVY_CHANNELS = 4  # a latent's energy share in its largest channels: how concentrated it is
 
 
+def attention_mass(module, adapter, proj) -> torch.Tensor:
+    """(n,) BF16 causal attention each token receives, summed over queries and heads."""
+    w_uk, _ = adapter.up_projections(module)
+    scores = torch.einsum("hnd,hdc,tc->hnt", proj.q_nope[0], w_uk, proj.c[0])
+    scores = (scores + proj.q_rot[0] @ proj.k_rot[0].T) * adapter.geometry(module).scaling
+    n = scores.shape[-1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=scores.device).tril()
+    return scores.masked_fill(~causal, float("-inf")).softmax(-1).sum((0, 1))
+
+
+def exact_reads(n: int, sink: int, recent: int, top: torch.Tensor | None = None) -> torch.Tensor:
+    """(n, n) bool: query i reads key j exact (the policy's sinks and recent band, and `top`)."""
+    from quantmla.attention import protected_mask
+
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    exact = protected_mask(torch.arange(n), n, sink, recent) & causal
+    if top is not None:
+        exact[:, top] = causal[:, top]
+    return exact
+
+
+def read_through_cache(module, adapter, proj, c_hat, k_hat, exact) -> torch.Tensor:
+    """The post-o_proj attention output when the keys `exact` marks are read as written and the
+    others as the cache's copies (`c_hat`, `k_hat`)."""
+    from quantmla.attention import attention_output
+
+    causal = torch.ones_like(exact).tril()
+    regions = [(c_hat, k_hat, (causal & ~exact)[None, None]),
+               (proj.c, proj.k_rot, exact[None, None])]  # fmt: skip
+    return attention_output(module, adapter, proj.q_nope, proj.q_rot, regions)
+
+
 def layer_report(module, adapter, hidden, position_embeddings, spec, sink, recent, protect):
     """One layer's row: attention mass and the protected tokens' latents (unfused weights), then
     the content latent's output NMSE unfused (RTN) and with QuaRot†'s Hadamard fused, each with
     the policy's protection and with the top-`protect` tokens exact too. Fuses the module."""
-    from quantmla.attention import attention_output, causal_regions, protected_mask
     from quantmla.methods.quarot import quarot
     from quantmla.metrics import nmse
     from quantmla.quant import qdq_content
     from quantmla.transforms import fuse_content
 
-    geometry = adapter.geometry(module)
     proj = adapter.project(module, hidden, position_embeddings)
     n = hidden.shape[1]
-    w_uk, w_uv = adapter.up_projections(module)
-    scores = torch.einsum("hnd,hdc,tc->hnt", proj.q_nope[0], w_uk, proj.c[0])
-    scores = (scores + proj.q_rot[0] @ proj.k_rot[0].T) * geometry.scaling
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
-    mass = scores.masked_fill(~causal, float("-inf")).softmax(-1).sum((0, 1))
+    mass = attention_mass(module, adapter, proj)
     top = mass[sink:].topk(protect).indices + sink
     c = proj.c[0]
     heavy = c.pow(2).topk(HEAVY_CHANNELS, dim=-1).values.sum(-1) / c.pow(2).sum(-1)
+    _, w_uv = adapter.up_projections(module)
     value_gain = torch.einsum("hvc,tc->thv", w_uv, c).flatten(1).norm(dim=-1) / c.norm(dim=-1)
     row = {
         "sink_mass": float(mass[:sink].sum() / mass.sum()),
@@ -49,23 +84,19 @@ def layer_report(module, adapter, hidden, position_embeddings, spec, sink, recen
         "top_value_gain": float(value_gain[top].mean() / value_gain.median()),
         "top": top.tolist(),
     }
-    exact = protected_mask(torch.arange(n), n, sink, recent) & causal
-    kept = exact.clone()
-    kept[:, top] = causal[:, top]
 
     def output_errors(proj) -> list[float]:
         """The output NMSE with the policy's exact keys, then with the top tokens exact too."""
-        reference = attention_output(
-            module, adapter, proj.q_nope, proj.q_rot, causal_regions(proj.c, proj.k_rot)
+        reference = read_through_cache(
+            module, adapter, proj, proj.c, proj.k_rot, exact_reads(n, n, 0)
         )
         c_hat = qdq_content(spec, proj.c)
-        errors = []
-        for read_exact in (exact, kept):
-            regions = [(c_hat, proj.k_rot, (causal & ~read_exact)[None, None]),
-                       (proj.c, proj.k_rot, read_exact[None, None])]  # fmt: skip
-            out = attention_output(module, adapter, proj.q_nope, proj.q_rot, regions)
-            errors.append(float(nmse(out, reference)))
-        return errors
+        return [
+            float(
+                nmse(read_through_cache(module, adapter, proj, c_hat, proj.k_rot, exact), reference)
+            )
+            for exact in (exact_reads(n, sink, recent), exact_reads(n, sink, recent, top))
+        ]
 
     row["rtn"], row["rtn_kept"] = output_errors(proj)
     hadamard = quarot(SimpleNamespace(modules=[module])).layers[0].content
@@ -74,6 +105,70 @@ def layer_report(module, adapter, hidden, position_embeddings, spec, sink, recen
         adapter.project(module, hidden, position_embeddings)
     )
     return row
+
+
+def oracle_forward(module, adapter, spec, sink, recent, reading, hidden_states, position_embeddings=None, **_):  # fmt: skip
+    """A patched MLA module's forward for one unpadded sequence without a cache: every key read
+    exact (`reading["protect"]` None), under the policy (0), or with the layer's top
+    `reading["protect"]` tokens by BF16 attention exact too."""
+    from quantmla.quant import qdq_content, qdq_rope
+    from quantmla.simulator import layer_patch
+
+    proj = adapter.project(module, hidden_states, position_embeddings)
+    online = layer_patch(module).rope_online  # QuaRot†'s post-RoPE Hadamard
+    if online is not None:
+        proj.q_rot, proj.k_rot = proj.q_rot @ online, proj.k_rot @ online
+    n, protect = hidden_states.shape[1], reading["protect"]
+    c_hat, k_hat, exact = proj.c, proj.k_rot, exact_reads(n, n, 0)
+    if protect is not None:
+        mass = attention_mass(module, adapter, proj)
+        top = mass[sink:].topk(protect).indices + sink if protect else None
+        c_hat, k_hat = qdq_content(spec, proj.c), qdq_rope(spec, proj.k_rot)
+        exact = exact_reads(n, sink, recent, top)
+    return read_through_cache(module, adapter, proj, c_hat, k_hat, exact), None
+
+
+def oracle_perplexity(overrides: list[str], windows: int, protect: int) -> dict[str, float]:
+    """The first `windows` WikiText-2 test windows' perplexity of the run `overrides` name: BF16,
+    under the policy, and with each layer's top `protect` tokens exact too."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import quantmla.config  # noqa: F401  (registers the config schemas)
+    from quantmla.data import load_text, perplexity_windows, tokenize
+    from quantmla.evaluation.perplexity import window_nll
+    from quantmla.job import resolve
+    from quantmla.paths import repo_root
+    from quantmla.prepare import prepare
+
+    with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base=None):
+        cfg = OmegaConf.to_object(compose("config", overrides=overrides))
+    prepared = prepare(resolve(cfg))
+    policy, reading = prepared.policy, {}
+    for module in prepared.modules:
+        module.forward = partial(
+            oracle_forward,
+            module,
+            prepared.adapter,
+            policy.spec,
+            policy.sink,
+            policy.recent,
+            reading,
+        )
+    ids = tokenize(load_text("wikitext2", "test", prepared.paths.data_dir), prepared.tokenizer)
+    ids = perplexity_windows(ids, cfg.model.eval_seqlen, windows)
+    print(f"{' '.join(overrides)}: {ids.shape[0]} WikiText-2 test windows of {ids.shape[1]} tokens")
+    ppl = {}
+    for label, top in (("BF16", None), ("policy", 0), (f"+ top {protect}", protect)):
+        reading["protect"] = top
+        ppl[label] = math.exp(
+            float(window_nll(prepared.model, ids, batch_size=1, desc=label).mean())
+        )
+        print(
+            f"{label:>10}: {ppl[label]:.3f} ({100 * (ppl[label] / ppl['BF16'] - 1):+.2f} %)",
+            flush=True,
+        )
+    return ppl
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,15 +181,22 @@ def main(argv: list[str] | None = None) -> None:
     from quantmla.spec import QuantizerSpec
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="a local checkpoint folder or hub id")
+    parser.add_argument("--model", help="a local checkpoint folder or hub id (the per-layer table)")
     parser.add_argument("--precision", default="cnvfp4r16", help="the content format (cXr16)")
     parser.add_argument("--length", type=int, default=2048, help="tokens of WikiText-2 test")
     parser.add_argument("--protect", type=int, default=64, help="top-attention tokens read exact")
-    parser.add_argument("--data-dir", default=DATA_DIR)
     parser.add_argument("--layers", default=None, help="comma-separated layer indices (all)")
+    parser.add_argument("--data-dir", default=DATA_DIR)
     parser.add_argument("--sink", type=int, default=CachePolicy.sink)
     parser.add_argument("--recent", type=int, default=CachePolicy.recent)
+    parser.add_argument("--perplexity", type=int, default=0, help="windows: the perplexity mode")
+    parser.add_argument("overrides", nargs="*", help="--perplexity: the run's Hydra overrides")
     args = parser.parse_args(argv)
+    if args.perplexity:
+        oracle_perplexity(args.overrides, args.perplexity, args.protect)
+        return
+    if args.model is None or args.overrides:
+        parser.error("the per-layer table takes --model and no Hydra overrides")
     spec = QuantizerSpec.from_precision(args.precision)
     model, tokenizer = load_pretrained(args.model, "float32")
     ids = tokenize(load_text("wikitext2", "test", args.data_dir), tokenizer)[None, : args.length]
@@ -109,19 +211,19 @@ def main(argv: list[str] | None = None) -> None:
         "layer | sinks' mass | top: mass, heavy, ‖v‖/‖c‖, commonest token | "
         "NMSE RTN, Hadamard (x) | top exact: RTN, Hadamard (x)"
     )
+    layers = range(len(modules)) if args.layers is None else map(int, args.layers.split(","))
     with torch.no_grad():
-        for i, module in enumerate(modules):
-            if args.layers is not None and i not in {int(x) for x in args.layers.split(",")}:
-                continue
+        for i in layers:
             r = layer_report(
-                module, adapter, store.inputs[i], store.position_embeddings[i], spec,
+                modules[i], adapter, store.inputs[i], store.position_embeddings[i], spec,
                 args.sink, args.recent, args.protect,
             )  # fmt: skip
             token, count = Counter(ids[0, r["top"]].tolist()).most_common(1)[0]
             print(
                 f"{i:5d} | {r['sink_mass']:.2f} | {r['top_mass']:.2f}, {r['top_heavy']:.2f}x, "
                 f"{r['top_value_gain']:.2f}x, {tokenizer.decode([token])!r} {count} | "
-                f"{r['rtn']:.2e}, {r['hadamard']:.2e} ({r['hadamard'] / r['rtn']:.2f}x) | {r['rtn_kept']:.2e}, {r['hadamard_kept']:.2e} "
+                f"{r['rtn']:.2e}, {r['hadamard']:.2e} ({r['hadamard'] / r['rtn']:.2f}x) | "
+                f"{r['rtn_kept']:.2e}, {r['hadamard_kept']:.2e} "
                 f"({r['hadamard_kept'] / r['rtn_kept']:.2f}x)"
             )
 

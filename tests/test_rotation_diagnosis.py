@@ -4,10 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from experiments.rotation_diagnosis import layer_report
+from experiments.rotation_diagnosis import layer_report, oracle_perplexity
 from quantmla.quant import qdq_content
 from quantmla.spec import QuantizerSpec
 from quantmla.transforms import hadamard, latent_magnitude
+from tests.conftest import needs_tiny, run_config, tiny_job
 
 SINK, RECENT, PROTECT = 2, 5, 3
 
@@ -77,3 +78,23 @@ def test_layer_report_matches_a_per_query_float64_reference(ctx, precision):
             assert 0 < kept < expected
             assert row[name] == pytest.approx(expected, rel=2e-3)
             assert row[f"{name}_kept"] == pytest.approx(kept, rel=2e-3)
+
+
+@needs_tiny
+def test_oracle_perplexity_is_the_simulators_and_bf16_with_every_token_exact(tmp_path):
+    """The oracle's forward under the policy reproduces `quantmla.run`'s perplexity (the simulator),
+    with no key quantized its BF16 perplexity; protecting every token past the sinks is BF16."""
+    from quantmla.policy import CachePolicy
+    from quantmla.run import run
+
+    overrides = tiny_job(tmp_path, "precision=c2r4")
+    every = run_config(*overrides).model.eval_seqlen - CachePolicy.sink
+    ppl = oracle_perplexity(overrides, windows=1, protect=every)
+    bf16, c2r4 = (
+        run(run_config(*tiny_job(tmp_path, f"precision={p}")))["metrics"]["ppl/wikitext2"]
+        for p in ("bf16", "c2r4")
+    )
+    assert ppl["BF16"] == pytest.approx(bf16, rel=1e-5)
+    assert ppl["policy"] == pytest.approx(c2r4, rel=1e-5)
+    assert ppl["policy"] > 1.001 * bf16
+    assert ppl[f"+ top {every}"] == pytest.approx(bf16, rel=1e-5)
