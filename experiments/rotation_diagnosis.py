@@ -38,6 +38,11 @@ def attention_mass(module, adapter, proj) -> torch.Tensor:
     return scores.masked_fill(~causal, float("-inf")).softmax(-1).sum((0, 1))
 
 
+def top_tokens(module, adapter, proj, sink: int, k: int) -> torch.Tensor:
+    """The `k` tokens past the sinks that receive the most BF16 attention."""
+    return attention_mass(module, adapter, proj)[sink:].topk(k).indices + sink
+
+
 def exact_reads(n: int, sink: int, recent: int, top: torch.Tensor | None = None) -> torch.Tensor:
     """(n, n) bool: query i reads key j exact (the policy's sinks and recent band, and `top`)."""
     from quantmla.attention import protected_mask
@@ -57,6 +62,7 @@ def read_through_cache(module, adapter, proj, c_hat, k_hat, exact) -> torch.Tens
     causal = torch.ones_like(exact).tril()
     regions = [(c_hat, k_hat, (causal & ~exact)[None, None]),
                (proj.c, proj.k_rot, exact[None, None])]  # fmt: skip
+    regions = [r for r in regions if r[2].any()]  # an empty region would only double the keys
     return attention_output(module, adapter, proj.q_nope, proj.q_rot, regions)
 
 
@@ -72,7 +78,7 @@ def layer_report(module, adapter, hidden, position_embeddings, spec, sink, recen
     proj = adapter.project(module, hidden, position_embeddings)
     n = hidden.shape[1]
     mass = attention_mass(module, adapter, proj)
-    top = mass[sink:].topk(protect).indices + sink
+    top = top_tokens(module, adapter, proj, sink, protect)
     c = proj.c[0]
     heavy = c.pow(2).topk(HEAVY_CHANNELS, dim=-1).values.sum(-1) / c.pow(2).sum(-1)
     _, w_uv = adapter.up_projections(module)
@@ -121,8 +127,7 @@ def oracle_forward(module, adapter, spec, sink, recent, reading, hidden_states, 
     n, protect = hidden_states.shape[1], reading["protect"]
     c_hat, k_hat, exact = proj.c, proj.k_rot, exact_reads(n, n, 0)
     if protect is not None:
-        mass = attention_mass(module, adapter, proj)
-        top = mass[sink:].topk(protect).indices + sink if protect else None
+        top = top_tokens(module, adapter, proj, sink, protect) if protect else None
         c_hat, k_hat = qdq_content(spec, proj.c), qdq_rope(spec, proj.k_rot)
         exact = exact_reads(n, sink, recent, top)
     return read_through_cache(module, adapter, proj, c_hat, k_hat, exact), None
