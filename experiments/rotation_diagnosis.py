@@ -12,8 +12,10 @@ with those tokens read exact as well — where the Hadamard's excess goes with t
 `python -m experiments.rotation_diagnosis --perplexity 2 experiment=smol_table1 model=smol_mla
 precision=c2r4 method=quantmla` prepares the run those Hydra overrides name (its method's
 artifact loaded, as `quantmla.run` does) and prints the perplexity of the first windows in BF16,
-under the policy, and with each layer's top `--protect` tokens exact too (chosen from that layer's
-own BF16 attention: an oracle, no rule that a cache could run)."""
+under the policy, with each layer's top `--protect` tokens exact too (chosen from that layer's own
+BF16 attention: an oracle, no rule that a cache could run), and with the tokens a write-time rule
+picks exact instead: a token whose latent aligns with the layer's mean absorbed query (calibrated
+on the methods' calibration text, as is the score threshold that keeps the oracle's share)."""
 
 from __future__ import annotations
 
@@ -113,10 +115,29 @@ def layer_report(module, adapter, hidden, position_embeddings, spec, sink, recen
     return row
 
 
-def oracle_forward(module, adapter, spec, sink, recent, reading, hidden_states, position_embeddings=None, **_):  # fmt: skip
-    """A patched MLA module's forward for one unpadded sequence without a cache: every key read
-    exact (`reading["protect"]` None), under the policy (0), or with the layer's top
-    `reading["protect"]` tokens by BF16 attention exact too."""
+def query_sum(module, adapter, proj) -> torch.Tensor:
+    """(H, d_c) the window's absorbed content queries (q_nope·W_UK) summed over its tokens."""
+    w_uk, _ = adapter.up_projections(module)
+    return torch.einsum("hnd,hdc->hc", proj.q_nope[0], w_uk)
+
+
+def write_score(module, adapter, c, mean_query) -> torch.Tensor:
+    """(n,) how strongly each latent draws an average query: the logsumexp over heads of its content
+    logit against the layer's mean absorbed query — known when the token is written."""
+    return (c @ mean_query.T * adapter.geometry(module).scaling).logsumexp(-1)
+
+
+def rule_threshold(scores: torch.Tensor, fraction: float) -> float:
+    """The score that `fraction` of the calibration tokens exceed (−inf: every token)."""
+    return float("-inf") if fraction >= 1 else float(scores.double().quantile(1 - fraction))
+
+
+def oracle_forward(module, adapter, spec, sink, recent, reading, rule, hidden_states, position_embeddings=None, **_):  # fmt: skip
+    """A patched MLA module's forward for one unpadded sequence without a cache. `reading["mode"]`:
+    "bf16" (every key exact), "policy", "oracle" (the layer's top `reading["protect"]` tokens by
+    BF16 attention exact too), "rule" (the tokens whose write score passes the layer's threshold
+    exact too; their count and recall of the oracle's tokens kept in `rule`); "mean_query" and
+    "scores" read every key exact while they calibrate the layer's `rule`."""
     from quantmla.quant import qdq_content, qdq_rope
     from quantmla.simulator import layer_patch
 
@@ -124,22 +145,41 @@ def oracle_forward(module, adapter, spec, sink, recent, reading, hidden_states, 
     online = layer_patch(module).rope_online  # QuaRot†'s post-RoPE Hadamard
     if online is not None:
         proj.q_rot, proj.k_rot = proj.q_rot @ online, proj.k_rot @ online
-    n, protect = hidden_states.shape[1], reading["protect"]
+    n, mode = hidden_states.shape[1], reading["mode"]
     c_hat, k_hat, exact = proj.c, proj.k_rot, exact_reads(n, n, 0)
-    if protect is not None:
-        top = top_tokens(module, adapter, proj, sink, protect) if protect else None
+    if mode == "mean_query":
+        rule["query_sum"] = rule.get("query_sum", 0) + query_sum(module, adapter, proj)
+        rule["tokens"] = rule.get("tokens", 0) + n
+    elif mode == "scores":
+        mean_query = rule["query_sum"] / rule["tokens"]
+        rule["scores"].append(write_score(module, adapter, proj.c[0], mean_query)[sink:])
+    elif mode != "bf16":
+        top = None
+        if mode == "oracle":
+            top = top_tokens(module, adapter, proj, sink, reading["protect"])
+        elif mode == "rule":
+            mean_query = rule["query_sum"] / rule["tokens"]
+            picked = write_score(module, adapter, proj.c[0], mean_query) > rule["threshold"]
+            top = picked[sink:].nonzero().flatten() + sink
+            oracle = top_tokens(module, adapter, proj, sink, reading["protect"])
+            rule["picked"].append(top.numel())
+            rule["recall"].append(float(torch.isin(oracle, top).double().mean()))
         c_hat, k_hat = qdq_content(spec, proj.c), qdq_rope(spec, proj.k_rot)
         exact = exact_reads(n, sink, recent, top)
     return read_through_cache(module, adapter, proj, c_hat, k_hat, exact), None
 
 
-def oracle_perplexity(overrides: list[str], windows: int, protect: int) -> dict[str, float]:
+def oracle_perplexity(
+    overrides: list[str], windows: int, protect: int, calibration_windows: int = 2
+) -> dict[str, float]:
     """The first `windows` WikiText-2 test windows' perplexity of the run `overrides` name: BF16,
-    under the policy, and with each layer's top `protect` tokens exact too."""
+    under the policy, with each layer's top `protect` tokens exact too, and with the write-time
+    rule's tokens exact instead (calibrated on the first `calibration_windows` windows of the
+    methods' calibration text to keep `protect` of a window's tokens past the sinks)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    import quantmla.config  # noqa: F401  (registers the config schemas)
+    from quantmla.config import CalibrationConfig  # (importing it registers the schemas)
     from quantmla.data import load_text, perplexity_windows, tokenize
     from quantmla.evaluation.perplexity import window_nll
     from quantmla.job import resolve
@@ -149,8 +189,9 @@ def oracle_perplexity(overrides: list[str], windows: int, protect: int) -> dict[
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base=None):
         cfg = OmegaConf.to_object(compose("config", overrides=overrides))
     prepared = prepare(resolve(cfg))
-    policy, reading = prepared.policy, {}
-    for module in prepared.modules:
+    policy, reading = prepared.policy, {"protect": protect}
+    rules = [{"scores": [], "picked": [], "recall": []} for _ in prepared.modules]
+    for module, rule in zip(prepared.modules, rules):
         module.forward = partial(
             oracle_forward,
             module,
@@ -159,19 +200,38 @@ def oracle_perplexity(overrides: list[str], windows: int, protect: int) -> dict[
             policy.sink,
             policy.recent,
             reading,
+            rule,
         )
-    ids = tokenize(load_text("wikitext2", "test", prepared.paths.data_dir), prepared.tokenizer)
-    ids = perplexity_windows(ids, cfg.model.eval_seqlen, windows)
+
+    def split(dataset: str, name: str, count: int) -> torch.Tensor:
+        ids = tokenize(load_text(dataset, name, prepared.paths.data_dir), prepared.tokenizer)
+        return perplexity_windows(ids, cfg.model.eval_seqlen, count)
+
+    cal = cfg.method.calibration or CalibrationConfig()  # the methods' text, never the test set
+    for mode in ("mean_query", "scores"):
+        reading["mode"] = mode
+        calibration = split(cal.dataset, cal.split, calibration_windows)
+        window_nll(prepared.model, calibration, batch_size=1, desc=mode)
+    fraction = protect / (cfg.model.eval_seqlen - policy.sink)
+    for rule in rules:
+        rule["threshold"] = rule_threshold(torch.cat(rule.pop("scores")), fraction)
+    ids = split("wikitext2", "test", windows)
     print(f"{' '.join(overrides)}: {ids.shape[0]} WikiText-2 test windows of {ids.shape[1]} tokens")
     ppl = {}
-    for label, top in (("BF16", None), ("policy", 0), (f"+ top {protect}", protect)):
-        reading["protect"] = top
+    for label, mode in (("BF16", "bf16"), ("policy", "policy"), (f"+ top {protect}", "oracle"),
+                        ("+ rule", "rule")):  # fmt: skip
+        reading["mode"] = mode
         ppl[label] = math.exp(
             float(window_nll(prepared.model, ids, batch_size=1, desc=label).mean())
         )
         print(
             f"{label:>10}: {ppl[label]:.3f} ({100 * (ppl[label] / ppl['BF16'] - 1):+.2f} %)",
             flush=True,
+        )
+    for i, rule in enumerate(rules):
+        print(
+            f"layer {i:2d}: the rule keeps {sum(rule['picked']) / len(rule['picked']):.0f} tokens a "
+            f"window; of the oracle's top {protect}, {sum(rule['recall']) / len(rule['recall']):.0%}"
         )
     return ppl
 
@@ -195,10 +255,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sink", type=int, default=CachePolicy.sink)
     parser.add_argument("--recent", type=int, default=CachePolicy.recent)
     parser.add_argument("--perplexity", type=int, default=0, help="windows: the perplexity mode")
+    parser.add_argument("--calibration-windows", type=int, default=2, help="the rule's windows")
     parser.add_argument("overrides", nargs="*", help="--perplexity: the run's Hydra overrides")
     args = parser.parse_args(argv)
     if args.perplexity:
-        oracle_perplexity(args.overrides, args.perplexity, args.protect)
+        oracle_perplexity(args.overrides, args.perplexity, args.protect, args.calibration_windows)
         return
     if args.model is None or args.overrides:
         parser.error("the per-layer table takes --model and no Hydra overrides")

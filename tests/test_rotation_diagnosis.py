@@ -4,7 +4,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from experiments.rotation_diagnosis import layer_report, oracle_perplexity
+from experiments.rotation_diagnosis import (
+    layer_report,
+    oracle_perplexity,
+    query_sum,
+    rule_threshold,
+    write_score,
+)
 from quantmla.quant import qdq_content
 from quantmla.spec import QuantizerSpec
 from quantmla.transforms import hadamard, latent_magnitude
@@ -98,3 +104,23 @@ def test_oracle_perplexity_is_the_simulators_and_bf16_with_every_token_exact(tmp
     assert ppl["policy"] == pytest.approx(c2r4, rel=1e-5)
     assert ppl["policy"] > 1.001 * bf16
     assert ppl[f"+ top {every}"] == pytest.approx(bf16, rel=1e-5)
+    assert ppl["+ rule"] == pytest.approx(bf16, rel=1e-5)  # its threshold keeps every token
+
+
+def test_write_score_is_the_mean_querys_logit_by_the_expanded_form(ctx):
+    """The rule's score of key j: logsumexp over heads of the mean over queries t of
+    q_nope[h, t]·k_nope[h, j], k_nope from kv_b_proj (float64); its threshold keeps its fraction."""
+    module, adapter = ctx.modules[0], ctx.adapter
+    with torch.no_grad():
+        proj = adapter.project(module, ctx.store.inputs[0][:1], ctx.store.position_embeddings[0])
+        g = adapter.geometry(module)
+        n = proj.c.shape[1]
+        mean_query = query_sum(module, adapter, proj) / n
+        score = write_score(module, adapter, proj.c[0], mean_query)
+    kv = F.linear(proj.c[0].double(), module.kv_b_proj.weight.double()).view(n, g.n_heads, -1)
+    logits = torch.einsum("htd,jhd->hj", proj.q_nope[0].double(), kv[..., : g.d_nope]) / n
+    expected = (logits * g.scaling).logsumexp(0)
+    assert torch.allclose(score.double(), expected, rtol=1e-4, atol=1e-5)
+    threshold = rule_threshold(score, 0.25)
+    assert int((score > threshold).sum()) == pytest.approx(0.25 * n, abs=1)
+    assert rule_threshold(score, 1.0) == float("-inf")
