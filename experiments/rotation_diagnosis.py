@@ -13,9 +13,11 @@ with those tokens read exact as well — where the Hadamard's excess goes with t
 precision=c2r4 method=quantmla` prepares the run those Hydra overrides name (its method's
 artifact loaded, as `quantmla.run` does) and prints the perplexity of the first windows in BF16,
 under the policy, with each layer's top `--protect` tokens exact too (chosen from that layer's own
-BF16 attention: an oracle, no rule that a cache could run), and with the tokens a write-time rule
-picks exact instead: a token whose latent aligns with the layer's mean absorbed query (calibrated
-on the methods' calibration text, as is the score threshold that keeps the oracle's share)."""
+BF16 attention: an oracle, no rule that a cache could run), and with the tokens that one of two
+rules a cache could run picks exact instead: `aligned`, when a token is written, whether its latent
+draws the layer's mean absorbed query; `band`, when it leaves the recent band, whether it drew more
+attention than most while the band's queries read it exact. Both are calibrated on the methods'
+calibration text, thresholds included (each keeps the oracle's share of the tokens)."""
 
 from __future__ import annotations
 
@@ -30,14 +32,19 @@ import torch
 HEAVY_CHANNELS = 4  # a latent's energy share in its largest channels: how concentrated it is
 
 
-def attention_mass(module, adapter, proj) -> torch.Tensor:
-    """(n,) BF16 causal attention each token receives, summed over queries and heads."""
+def attention_probabilities(module, adapter, proj) -> torch.Tensor:
+    """(H, n, n) BF16 causal attention probabilities of each head, query and key."""
     w_uk, _ = adapter.up_projections(module)
     scores = torch.einsum("hnd,hdc,tc->hnt", proj.q_nope[0], w_uk, proj.c[0])
     scores = (scores + proj.q_rot[0] @ proj.k_rot[0].T) * adapter.geometry(module).scaling
     n = scores.shape[-1]
     causal = torch.ones(n, n, dtype=torch.bool, device=scores.device).tril()
-    return scores.masked_fill(~causal, float("-inf")).softmax(-1).sum((0, 1))
+    return scores.masked_fill(~causal, float("-inf")).softmax(-1)
+
+
+def attention_mass(module, adapter, proj) -> torch.Tensor:
+    """(n,) BF16 causal attention each token receives, summed over queries and heads."""
+    return attention_probabilities(module, adapter, proj).sum((0, 1))
 
 
 def top_tokens(module, adapter, proj, sink: int, k: int) -> torch.Tensor:
@@ -127,17 +134,40 @@ def write_score(module, adapter, c, mean_query) -> torch.Tensor:
     return (c @ mean_query.T * adapter.geometry(module).scaling).logsumexp(-1)
 
 
+def band_score(probabilities: torch.Tensor, recent: int) -> torch.Tensor:
+    """(n,) the attention each token receives while it is in the recent band (from itself and the
+    next `recent` − 1 queries), each query's probability × the keys it reads (1 = uniform), mean
+    over heads — known when the token leaves the band, before any query reads it quantized."""
+    n = probabilities.shape[-1]
+    i = torch.arange(n)
+    lag = i[:, None] - i[None, :]
+    relative = probabilities.mean(0) * (i + 1)[:, None]
+    return (relative * ((lag >= 0) & (lag < recent))).sum(0)
+
+
+RULES = ("aligned", "band")  # the deployable rules the perplexity mode sets beside the oracle
+
+
+def rule_score(name, module, adapter, proj, state, recent) -> torch.Tensor:
+    """(n,) rule `name`'s score of each token of the window `proj` projects."""
+    if name == "aligned":
+        return write_score(module, adapter, proj.c[0], state["query_sum"] / state["tokens"])
+    return band_score(attention_probabilities(module, adapter, proj), recent)
+
+
 def rule_threshold(scores: torch.Tensor, fraction: float) -> float:
     """The score that `fraction` of the calibration tokens exceed (−inf: every token)."""
     return float("-inf") if fraction >= 1 else float(scores.double().quantile(1 - fraction))
 
 
-def oracle_forward(module, adapter, spec, sink, recent, reading, rule, hidden_states, position_embeddings=None, **_):  # fmt: skip
+def oracle_forward(module, adapter, spec, sink, recent, reading, state, hidden_states, position_embeddings=None, **_):  # fmt: skip
     """A patched MLA module's forward for one unpadded sequence without a cache. `reading["mode"]`:
     "bf16" (every key exact), "policy", "oracle" (the layer's top `reading["protect"]` tokens by
-    BF16 attention exact too), "rule" (the tokens whose write score passes the layer's threshold
-    exact too; their count and recall of the oracle's tokens kept in `rule`); "mean_query" and
-    "scores" read every key exact while they calibrate the layer's `rule`."""
+    BF16 attention exact too), a name in `RULES` (the tokens whose score passes the layer's
+    threshold exact too; their count and recall of the oracle's tokens kept in `state`);
+    "mean_query" and "scores" read every key exact while they calibrate the layer's rules.
+    The band rule's score reads BF16 probabilities: in a cache the band's keys are exact but older
+    ones are not, which moves each query's softmax normaliser a little."""
     from quantmla.quant import qdq_content, qdq_rope
     from quantmla.simulator import layer_patch
 
@@ -148,22 +178,22 @@ def oracle_forward(module, adapter, spec, sink, recent, reading, rule, hidden_st
     n, mode = hidden_states.shape[1], reading["mode"]
     c_hat, k_hat, exact = proj.c, proj.k_rot, exact_reads(n, n, 0)
     if mode == "mean_query":
-        rule["query_sum"] = rule.get("query_sum", 0) + query_sum(module, adapter, proj)
-        rule["tokens"] = rule.get("tokens", 0) + n
+        state["query_sum"] = state.get("query_sum", 0) + query_sum(module, adapter, proj)
+        state["tokens"] = state.get("tokens", 0) + n
     elif mode == "scores":
-        mean_query = rule["query_sum"] / rule["tokens"]
-        rule["scores"].append(write_score(module, adapter, proj.c[0], mean_query)[sink:])
+        for name in RULES:
+            score = rule_score(name, module, adapter, proj, state, recent)
+            state["scores"][name].append(score[sink:])
     elif mode != "bf16":
         top = None
         if mode == "oracle":
             top = top_tokens(module, adapter, proj, sink, reading["protect"])
-        elif mode == "rule":
-            mean_query = rule["query_sum"] / rule["tokens"]
-            picked = write_score(module, adapter, proj.c[0], mean_query) > rule["threshold"]
-            top = picked[sink:].nonzero().flatten() + sink
+        elif mode in RULES:
+            score = rule_score(mode, module, adapter, proj, state, recent)
+            top = (score[sink:] > state["threshold"][mode]).nonzero().flatten() + sink
             oracle = top_tokens(module, adapter, proj, sink, reading["protect"])
-            rule["picked"].append(top.numel())
-            rule["recall"].append(float(torch.isin(oracle, top).double().mean()))
+            state["picked"][mode].append(top.numel())
+            state["recall"][mode].append(float(torch.isin(oracle, top).double().mean()))
         c_hat, k_hat = qdq_content(spec, proj.c), qdq_rope(spec, proj.k_rot)
         exact = exact_reads(n, sink, recent, top)
     return read_through_cache(module, adapter, proj, c_hat, k_hat, exact), None
@@ -173,9 +203,9 @@ def oracle_perplexity(
     overrides: list[str], windows: int, protect: int, calibration_windows: int = 2
 ) -> dict[str, float]:
     """The first `windows` WikiText-2 test windows' perplexity of the run `overrides` name: BF16,
-    under the policy, with each layer's top `protect` tokens exact too, and with the write-time
-    rule's tokens exact instead (calibrated on the first `calibration_windows` windows of the
-    methods' calibration text to keep `protect` of a window's tokens past the sinks)."""
+    under the policy, with each layer's top `protect` tokens exact too, and with each rule's tokens
+    exact instead (calibrated on the first `calibration_windows` windows of the methods'
+    calibration text to keep `protect` of a window's tokens past the sinks)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -190,8 +220,9 @@ def oracle_perplexity(
         cfg = OmegaConf.to_object(compose("config", overrides=overrides))
     prepared = prepare(resolve(cfg))
     policy, reading = prepared.policy, {"protect": protect}
-    rules = [{"scores": [], "picked": [], "recall": []} for _ in prepared.modules]
-    for module, rule in zip(prepared.modules, rules):
+    states = [{k: {name: [] for name in RULES} for k in ("scores", "picked", "recall")}
+              for _ in prepared.modules]  # fmt: skip
+    for module, state in zip(prepared.modules, states):
         module.forward = partial(
             oracle_forward,
             module,
@@ -200,7 +231,7 @@ def oracle_perplexity(
             policy.sink,
             policy.recent,
             reading,
-            rule,
+            state,
         )
 
     def split(dataset: str, name: str, count: int) -> torch.Tensor:
@@ -213,13 +244,16 @@ def oracle_perplexity(
         calibration = split(cal.dataset, cal.split, calibration_windows)
         window_nll(prepared.model, calibration, batch_size=1, desc=mode)
     fraction = protect / (cfg.model.eval_seqlen - policy.sink)
-    for rule in rules:
-        rule["threshold"] = rule_threshold(torch.cat(rule.pop("scores")), fraction)
+    for state in states:
+        scores = state.pop("scores")
+        state["threshold"] = {
+            name: rule_threshold(torch.cat(scores[name]), fraction) for name in RULES
+        }
     ids = split("wikitext2", "test", windows)
     print(f"{' '.join(overrides)}: {ids.shape[0]} WikiText-2 test windows of {ids.shape[1]} tokens")
     ppl = {}
-    for label, mode in (("BF16", "bf16"), ("policy", "policy"), (f"+ top {protect}", "oracle"),
-                        ("+ rule", "rule")):  # fmt: skip
+    modes = [("BF16", "bf16"), ("policy", "policy"), (f"+ top {protect}", "oracle")]
+    for label, mode in modes + [(f"+ {name}", name) for name in RULES]:
         reading["mode"] = mode
         ppl[label] = math.exp(
             float(window_nll(prepared.model, ids, batch_size=1, desc=label).mean())
@@ -228,10 +262,14 @@ def oracle_perplexity(
             f"{label:>10}: {ppl[label]:.3f} ({100 * (ppl[label] / ppl['BF16'] - 1):+.2f} %)",
             flush=True,
         )
-    for i, rule in enumerate(rules):
+    for i, state in enumerate(states):
         print(
-            f"layer {i:2d}: the rule keeps {sum(rule['picked']) / len(rule['picked']):.0f} tokens a "
-            f"window; of the oracle's top {protect}, {sum(rule['recall']) / len(rule['recall']):.0%}"
+            f"layer {i:2d}: of the oracle's top {protect} a window, "
+            + ", ".join(
+                f"{name} keeps {sum(state['picked'][name]) / len(state['picked'][name]):.0f} "
+                f"and finds {sum(state['recall'][name]) / len(state['recall'][name]):.0%}"
+                for name in RULES
+            )
         )
     return ppl
 

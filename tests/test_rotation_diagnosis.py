@@ -5,6 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from experiments.rotation_diagnosis import (
+    RULES,
+    attention_probabilities,
+    band_score,
     layer_report,
     oracle_perplexity,
     query_sum,
@@ -104,7 +107,8 @@ def test_oracle_perplexity_is_the_simulators_and_bf16_with_every_token_exact(tmp
     assert ppl["policy"] == pytest.approx(c2r4, rel=1e-5)
     assert ppl["policy"] > 1.001 * bf16
     assert ppl[f"+ top {every}"] == pytest.approx(bf16, rel=1e-5)
-    assert ppl["+ rule"] == pytest.approx(bf16, rel=1e-5)  # its threshold keeps every token
+    for name in RULES:  # each threshold keeps every token
+        assert ppl[f"+ {name}"] == pytest.approx(bf16, rel=1e-5)
 
 
 def test_write_score_is_the_mean_querys_logit_by_the_expanded_form(ctx):
@@ -124,3 +128,22 @@ def test_write_score_is_the_mean_querys_logit_by_the_expanded_form(ctx):
     threshold = rule_threshold(score, 0.25)
     assert int((score > threshold).sum()) == pytest.approx(0.25 * n, abs=1)
     assert rule_threshold(score, 1.0) == float("-inf")
+
+
+def test_band_score_by_brute_force(ctx):
+    """The band rule's score of key j, one query at a time in float64: the mean over heads of
+    p(i, j) × (i + 1) summed over the queries i that read j inside the recent band."""
+    module, adapter = ctx.modules[0], ctx.adapter
+    g = adapter.geometry(module)
+    with torch.no_grad():
+        proj = adapter.project(module, ctx.store.inputs[0][:1], ctx.store.position_embeddings[0])
+        score = band_score(attention_probabilities(module, adapter, proj), RECENT)
+        w_uk, _ = adapter.up_projections(module)
+    n = proj.c.shape[1]
+    expected = torch.zeros(n, dtype=torch.float64)
+    for i in range(n):
+        s = torch.einsum("hd,hdc,tc->ht", proj.q_nope[0, :, i], w_uk, proj.c[0, : i + 1])
+        p = ((s + proj.q_rot[0, :, i] @ proj.k_rot[0, : i + 1].T).double() * g.scaling).softmax(-1)
+        for j in range(max(0, i - RECENT + 1), i + 1):
+            expected[j] += float(p[:, j].mean()) * (i + 1)
+    assert torch.allclose(score.double(), expected, rtol=1e-4, atol=1e-6)
