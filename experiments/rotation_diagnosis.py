@@ -239,9 +239,9 @@ def oracle_perplexity(
         return perplexity_windows(ids, cfg.model.eval_seqlen, count)
 
     cal = cfg.method.calibration or CalibrationConfig()  # the methods' text, never the test set
+    calibration = split(cal.dataset, cal.split, calibration_windows)
     for mode in ("mean_query", "scores"):
         reading["mode"] = mode
-        calibration = split(cal.dataset, cal.split, calibration_windows)
         window_nll(prepared.model, calibration, batch_size=1, desc=mode)
     fraction = protect / (cfg.model.eval_seqlen - policy.sink)
     for state in states:
