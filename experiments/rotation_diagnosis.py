@@ -42,14 +42,9 @@ def attention_probabilities(module, adapter, proj) -> torch.Tensor:
     return scores.masked_fill(~causal, float("-inf")).softmax(-1)
 
 
-def attention_mass(module, adapter, proj) -> torch.Tensor:
-    """(n,) BF16 causal attention each token receives, summed over queries and heads."""
-    return attention_probabilities(module, adapter, proj).sum((0, 1))
-
-
-def top_tokens(module, adapter, proj, sink: int, k: int) -> torch.Tensor:
-    """The `k` tokens past the sinks that receive the most BF16 attention."""
-    return attention_mass(module, adapter, proj)[sink:].topk(k).indices + sink
+def top_tokens(probabilities: torch.Tensor, sink: int, k: int) -> torch.Tensor:
+    """The `k` tokens past the sinks that receive the most attention (summed over queries, heads)."""
+    return probabilities.sum((0, 1))[sink:].topk(k).indices + sink
 
 
 def exact_reads(n: int, sink: int, recent: int, top: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,8 +81,9 @@ def layer_report(module, adapter, hidden, position_embeddings, spec, sink, recen
 
     proj = adapter.project(module, hidden, position_embeddings)
     n = hidden.shape[1]
-    mass = attention_mass(module, adapter, proj)
-    top = top_tokens(module, adapter, proj, sink, protect)
+    probabilities = attention_probabilities(module, adapter, proj)
+    mass = probabilities.sum((0, 1))  # the BF16 attention each token receives
+    top = top_tokens(probabilities, sink, protect)
     c = proj.c[0]
     heavy = c.pow(2).topk(HEAVY_CHANNELS, dim=-1).values.sum(-1) / c.pow(2).sum(-1)
     _, w_uv = adapter.up_projections(module)
@@ -148,11 +144,12 @@ def band_score(probabilities: torch.Tensor, recent: int) -> torch.Tensor:
 RULES = ("aligned", "band")  # the deployable rules the perplexity mode sets beside the oracle
 
 
-def rule_score(name, module, adapter, proj, state, recent) -> torch.Tensor:
-    """(n,) rule `name`'s score of each token of the window `proj` projects."""
+def rule_score(name, module, adapter, proj, probabilities, state, recent) -> torch.Tensor:
+    """(n,) rule `name`'s score of each token of the window `proj` projects (`probabilities`:
+    its BF16 attention)."""
     if name == "aligned":
         return write_score(module, adapter, proj.c[0], state["query_sum"] / state["tokens"])
-    return band_score(attention_probabilities(module, adapter, proj), recent)
+    return band_score(probabilities, recent)
 
 
 def rule_threshold(scores: torch.Tensor, fraction: float) -> float:
@@ -181,17 +178,18 @@ def oracle_forward(module, adapter, spec, sink, recent, reading, state, hidden_s
         state["query_sum"] = state.get("query_sum", 0) + query_sum(module, adapter, proj)
         state["tokens"] = state.get("tokens", 0) + n
     elif mode == "scores":
+        probabilities = attention_probabilities(module, adapter, proj)
         for name in RULES:
-            score = rule_score(name, module, adapter, proj, state, recent)
+            score = rule_score(name, module, adapter, proj, probabilities, state, recent)
             state["scores"][name].append(score[sink:])
     elif mode != "bf16":
         top = None
-        if mode == "oracle":
-            top = top_tokens(module, adapter, proj, sink, reading["protect"])
-        elif mode in RULES:
-            score = rule_score(mode, module, adapter, proj, state, recent)
+        if mode != "policy":  # the oracle, or a rule measured against it
+            probabilities = attention_probabilities(module, adapter, proj)
+            top = oracle = top_tokens(probabilities, sink, reading["protect"])
+        if mode in RULES:
+            score = rule_score(mode, module, adapter, proj, probabilities, state, recent)
             top = (score[sink:] > state["threshold"][mode]).nonzero().flatten() + sink
-            oracle = top_tokens(module, adapter, proj, sink, reading["protect"])
             state["picked"][mode].append(top.numel())
             state["recall"][mode].append(float(torch.isin(oracle, top).double().mean()))
         c_hat, k_hat = qdq_content(spec, proj.c), qdq_rope(spec, proj.k_rot)

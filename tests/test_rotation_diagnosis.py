@@ -46,6 +46,14 @@ def per_query_nmse(module, adapter, proj, latent_hat, exact_keys) -> float:
     return err / ref
 
 
+def query_probabilities(module, adapter, proj, i: int) -> torch.Tensor:
+    """(H, i + 1) float64 attention probabilities of query i over keys 0..i, one query alone."""
+    w_uk, _ = adapter.up_projections(module)
+    s = torch.einsum("hd,hdc,tc->ht", proj.q_nope[0, :, i], w_uk, proj.c[0, : i + 1])
+    s = s + proj.q_rot[0, :, i] @ proj.k_rot[0, : i + 1].T
+    return (s.double() * adapter.geometry(module).scaling).softmax(-1)
+
+
 @pytest.mark.parametrize("precision", ["cnvfp4r16", "c2r16"])
 def test_layer_report_matches_a_per_query_float64_reference(ctx, precision):
     module = copy.deepcopy(ctx.modules[0])
@@ -55,13 +63,9 @@ def test_layer_report_matches_a_per_query_float64_reference(ctx, precision):
         proj = adapter.project(module, hidden, pe)
         row = layer_report(copy.deepcopy(module), adapter, hidden, pe, spec, SINK, RECENT, PROTECT)
         # BF16 attention mass per key, by brute force: the protected tokens are its largest past the sinks
-        w_uk, _ = adapter.up_projections(module)
-        g = adapter.geometry(module)
         mass = torch.zeros(hidden.shape[1], dtype=torch.float64)
         for i in range(hidden.shape[1]):
-            s = torch.einsum("hd,hdc,tc->ht", proj.q_nope[0, :, i], w_uk, proj.c[0, : i + 1])
-            s = s + proj.q_rot[0, :, i] @ proj.k_rot[0, : i + 1].T
-            mass[: i + 1] += (s.double() * g.scaling).softmax(-1).sum(0)
+            mass[: i + 1] += query_probabilities(module, adapter, proj, i).sum(0)
         top = set((mass[SINK:].topk(PROTECT).indices + SINK).tolist())
         assert row["sink_mass"] == pytest.approx(float(mass[:SINK].sum() / mass.sum()), rel=1e-5)
         assert row["top_mass"] == pytest.approx(
@@ -134,16 +138,14 @@ def test_band_score_by_brute_force(ctx):
     """The band rule's score of key j, one query at a time in float64: the mean over heads of
     p(i, j) × (i + 1) summed over the queries i that read j inside the recent band."""
     module, adapter = ctx.modules[0], ctx.adapter
-    g = adapter.geometry(module)
     with torch.no_grad():
         proj = adapter.project(module, ctx.store.inputs[0][:1], ctx.store.position_embeddings[0])
         score = band_score(attention_probabilities(module, adapter, proj), RECENT)
-        w_uk, _ = adapter.up_projections(module)
     n = proj.c.shape[1]
     expected = torch.zeros(n, dtype=torch.float64)
     for i in range(n):
-        s = torch.einsum("hd,hdc,tc->ht", proj.q_nope[0, :, i], w_uk, proj.c[0, : i + 1])
-        p = ((s + proj.q_rot[0, :, i] @ proj.k_rot[0, : i + 1].T).double() * g.scaling).softmax(-1)
+        with torch.no_grad():
+            p = query_probabilities(module, adapter, proj, i)
         for j in range(max(0, i - RECENT + 1), i + 1):
             expected[j] += float(p[:, j].mean()) * (i + 1)
     assert torch.allclose(score.double(), expected, rtol=1e-4, atol=1e-6)
