@@ -5,7 +5,12 @@ narrowed to its kind's own fields (each `eval.kind` hashes only those, `quantmla
 is renamed to the new hash, so finished jobs are found (and skipped) again. Idempotent; a record
 whose new key is already taken is left in place and reported, never overwritten; records of other
 entry points (their config without a `method`, e.g. experiments/smol_mla_reference.py) are left
-alone."""
+alone.
+
+Artifacts are never rewritten (a QuantMLA fit is ~16 MB; a store holds hundreds of MB): a model-config
+hash written by older code, which hashed the loading checkout's path with the config, is verified
+against this checkout's checkpoint (recomputed as that code did) and mapped to today's checkout-free
+hash in `<artifacts>/retired_config_hashes.json`, through which every checkout finds and loads them."""
 
 from __future__ import annotations
 
@@ -65,6 +70,83 @@ def migrate(results_dir: Path, dry_run: bool = False) -> dict[str, int]:
     return counts
 
 
+def artifact_config_hashes(artifacts_dir: Path) -> dict[tuple[str, str], list[Path]]:
+    """(model path, model-config hash) → the method artifacts and allocation files that hold it."""
+    from quantmla.methods.base import read_metadata
+
+    found: dict[tuple[str, str], list[Path]] = {}
+    for file in sorted(artifacts_dir.glob("*/*")):
+        if file.suffix == ".safetensors":
+            metadata = read_metadata(file, {})
+        elif file.suffix == ".json" and file.parent.name == "allocation":
+            metadata = json.loads(file.read_text()).get("metadata", {})
+        else:
+            continue
+        if "model_config_hash" in metadata:
+            key = (metadata.get("model", ""), metadata["model_config_hash"])
+            found.setdefault(key, []).append(file)
+    return found
+
+
+def older_config_hashes(config, checkpoint: str) -> dict[str, str]:
+    """The hashes older code wrote for this config, loaded from `checkpoint` at each dtype a job
+    may load it at (the config's `_name_or_path` and `dtype` as `from_pretrained` sets them) →
+    today's `config_sha` at that dtype."""
+    import torch
+
+    from quantmla.methods.prepare import config_sha
+    from quantmla.tracking.store import stable_hash
+
+    hashes = {}
+    for dtype in (config.dtype, torch.float32, torch.bfloat16, torch.float16):
+        config.dtype = dtype
+        for name in dict.fromkeys((checkpoint, str(Path(checkpoint).resolve()))):
+            config._name_or_path = name
+            hashes[stable_hash(config.to_dict(), 16)] = config_sha(config)
+    return hashes
+
+
+def retire_config_hashes(results_dir: Path, dry_run: bool = False) -> dict[str, int]:
+    """Map every artifact's model-config hash that older code wrote to today's (`config_sha`),
+    each verified against this checkout's checkpoint; hashes already current are left alone."""
+    from omegaconf import OmegaConf
+
+    from quantmla.config import PathsConfig
+    from quantmla.methods.base import RETIRED_HASHES, retired_config_hashes
+    from quantmla.models.loading import checkpoint_config
+    from quantmla.paths import Paths
+    from quantmla.tracking.store import write_atomic
+
+    paths = Paths.from_config(OmegaConf.structured(PathsConfig))
+    artifacts_dir = results_dir / "artifacts"
+    retired = retired_config_hashes(artifacts_dir)
+    counts = {"retired": 0, "current": 0, "checkpoint not here": 0, "unverified": 0}
+    for (model, hash_), files in artifact_config_hashes(artifacts_dir).items():
+        n = len(files)
+        checkpoint = paths.checkpoint(model)
+        if hash_ in retired:
+            counts["current"] += n
+            continue
+        if not (Path(checkpoint) / "config.json").is_file():
+            counts["checkpoint not here"] += n
+            continue
+        older = older_config_hashes(checkpoint_config(checkpoint), checkpoint)
+        if hash_ in older.values():
+            counts["current"] += n
+            continue
+        if hash_ not in older:
+            print(f"[migrate] {model}: config hash {hash_} of {n} artifacts is not this checkout's "
+                  f"({files[0].name}, ...)", file=sys.stderr)  # fmt: skip
+            counts["unverified"] += n
+            continue
+        print(f"[migrate] {model}: config hash {hash_} -> {older[hash_]} ({n} artifacts)")
+        retired[hash_] = older[hash_]
+        counts["retired"] += n
+    if counts["retired"] and not dry_run:
+        write_atomic(artifacts_dir / RETIRED_HASHES, dict(sorted(retired.items())))
+    return counts
+
+
 def main(argv: list[str] | None = None) -> None:
     from quantmla.paths import repo_root
 
@@ -75,8 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     root = Path(args.results_dir) if args.results_dir else (repo_root() or Path.cwd()) / "results"
     if not root.is_dir():
         parser.error(f"no results store at {root}")
-    counts = migrate(root, args.dry_run)
-    print("[migrate] " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    for step in (migrate, retire_config_hashes):
+        counts = step(root, args.dry_run)
+        print("[migrate] " + ", ".join(f"{v} {k}" for k, v in counts.items()))
 
 
 if __name__ == "__main__":

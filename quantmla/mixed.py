@@ -373,12 +373,14 @@ class SavedErrors:
     VERSION = "1"  # bump when format_errors changes what it measures
 
     def __init__(self, job, model, specs: dict, windows: torch.Tensor):
-        from quantmla.methods.prepare import tensor_sha
+        from quantmla.methods.base import retired_config_hashes
+        from quantmla.methods.prepare import config_sha, tensor_sha
         from quantmla.tracking.store import stable_hash
 
+        self.retired = retired_config_hashes(job.paths.artifacts_dir)
         self.metadata = {
             "model": job.cfg.model.path,
-            "model_config_hash": stable_hash(model.config.to_dict(), 16),
+            "model_config_hash": config_sha(model.config),
             "weights": str(job.weights),
             "candidates": [spec.key for spec in specs.values()],
             "protection": [job.policy.sink, job.policy.recent],
@@ -393,6 +395,8 @@ class SavedErrors:
         superset of them (their columns, in this job's order); `self.path` names the file read."""
         import json
 
+        from quantmla.methods.base import current_metadata
+
         wanted = self.metadata["candidates"]
         rest = {k: v for k, v in self.metadata.items() if k != "candidates"}
         others = sorted(p for p in self.path.parent.glob("*.json") if p != self.path)
@@ -400,7 +404,7 @@ class SavedErrors:
             if not path.is_file():
                 continue
             saved = json.loads(path.read_text())
-            meta = dict(saved.get("metadata", {}))
+            meta = current_metadata(saved.get("metadata", {}), self.retired)
             measured = meta.pop("candidates", [])
             if meta != rest or not set(wanted) <= set(measured):
                 continue

@@ -173,6 +173,41 @@ def test_errors_without_transforms_are_measured_once_for_every_budget(
 
 
 @needs_tiny
+def test_errors_saved_under_a_retired_config_hash_are_loaded_after_migration(
+    sensitivity_store, tmp_path, monkeypatch
+):
+    """Errors saved by the older key (the config hashed with the checkout's path) are measured
+    again by today's code until `quantmla.migrate` retires that hash; then they are loaded."""
+    import quantmla.methods.prepare as prepare_module
+    from quantmla import mixed
+    from quantmla.job import resolve
+    from quantmla.migrate import retire_config_hashes
+    from quantmla.prepare import prepare
+    from quantmla.tracking.store import stable_hash
+
+    calls, measure = [], mixed.format_errors
+    monkeypatch.setattr(mixed, "format_errors", lambda *a, **k: calls.append(1) or measure(*a, **k))
+
+    def allocation():
+        where = f"paths.artifacts_dir={tmp_path / 'artifacts'}"
+        return prepare(resolve(run_config(*tiny_job(sensitivity_store, *MIXED, where)))).metrics
+
+    with monkeypatch.context() as older:
+        older.setattr(prepare_module, "config_sha", lambda c: stable_hash(c.to_dict(), 16))
+        first = allocation()
+    [older_file] = (tmp_path / "artifacts" / "allocation").glob("*.json")
+    allocation()  # today's key misses it: measured again
+    assert len(calls) == 2
+    [today] = set(older_file.parent.glob("*.json")) - {older_file}
+    today.unlink()
+    assert retire_config_hashes(tmp_path)["retired"] == 1
+    again = allocation()
+    assert len(calls) == 2 and again["allocation/errors_loaded_from"] == older_file.name
+    for key in mixed.ERROR_KEYS:
+        assert again[f"allocation/{key}"] == first[f"allocation/{key}"]
+
+
+@needs_tiny
 def test_teacher_forced_answers_read_each_layers_own_format(sensitivity_store):
     """eval=ruler_answer under a mixed allocation: the record's answer log-likelihoods are the
     allocated model's full forward (float64), not the uniform C2R4 model's."""

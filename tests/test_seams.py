@@ -82,6 +82,52 @@ def test_unpatch_leaves_no_state_behind():
     assert after == before
 
 
+@needs_tiny
+def test_an_artifact_keyed_on_the_checkouts_path_loads_once_its_hash_is_retired(
+    tmp_path, monkeypatch, capsys
+):
+    """The older code hashed the loaded config with its path (`_name_or_path`): another checkout
+    missed its artifacts. Written that way, an artifact is not found by today's key; after
+    `python -m quantmla.migrate` verifies its hash against this checkout's checkpoint, it loads
+    (no capture) from its own unchanged file, whole and as reused units."""
+    import hashlib
+
+    import quantmla.methods.prepare as prepare_module
+    from quantmla.tracking.store import stable_hash
+
+    with monkeypatch.context() as older:
+        older.setattr(prepare_module, "config_sha", lambda c: stable_hash(c.to_dict(), 16))
+        first = run(run_config(*tiny_job(tmp_path, *CALIBRATE_FAST)))
+    [artifact] = (tmp_path / "artifacts" / "smoothquant").glob("*.safetensors")
+    written = hashlib.sha256(artifact.read_bytes()).hexdigest()
+
+    def no_capture(*args, **kwargs):
+        raise AssertionError("captured activations although a matching artifact exists")
+
+    monkeypatch.setattr(prepare_module, "capture_inputs", no_capture)
+    again = (*CALIBRATE_FAST, "force=true")
+    with pytest.raises(AssertionError, match="captured"):
+        run(run_config(*tiny_job(tmp_path, *again)))
+
+    def migrate():
+        command = [sys.executable, "-m", "quantmla.migrate", str(tmp_path)]
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert "1 retired, 0 current" in migrate()
+    assert "0 retired, 1 current" in migrate()  # idempotent
+    capsys.readouterr()
+    loaded = run(run_config(*tiny_job(tmp_path, *again)))
+    assert f"loading smoothquant artifact {artifact}" in capsys.readouterr().out
+    assert loaded["metrics"]["ppl/wikitext2"] == pytest.approx(first["metrics"]["ppl/wikitext2"])
+    # its content units alone, taken through reuse (nothing fitted, nothing saved)
+    run(run_config(*tiny_job(tmp_path, *CALIBRATE_FAST, "precision=c4r16")))
+    assert f"from {artifact.name}" in capsys.readouterr().out
+    assert hashlib.sha256(artifact.read_bytes()).hexdigest() == written
+    assert [artifact] == list(artifact.parent.glob("*.safetensors"))
+
+
 def test_calibration_does_not_import_the_simulator():
     code = (
         "import sys, quantmla.calibration.module, quantmla.calibration.context;"

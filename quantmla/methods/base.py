@@ -17,6 +17,7 @@ from quantmla.models.adapters import MLAAdapter
 from quantmla.models.fp8 import dequantized_for_fusion
 from quantmla.simulator import layer_patch
 from quantmla.spec import QuantizerSpec
+from quantmla.tracking.store import stable_hash
 from quantmla.transforms import (
     ContentTransform,
     LayerTransforms,
@@ -33,6 +34,45 @@ if TYPE_CHECKING:
 
 class ArtifactMismatchError(QuantMLAError):
     """A saved transform artifact was made for another model, precision, quantizer or method."""
+
+
+# in the artifacts folder: model-config hashes written by older code, which hashed the checkout's
+# path with the config, each → today's `config_sha` (`python -m quantmla.migrate` verifies and
+# writes them), so their artifacts load from any checkout without being rewritten
+RETIRED_HASHES = "retired_config_hashes.json"
+
+
+def retired_config_hashes(artifacts_dir: Path) -> dict[str, str]:
+    """The artifacts folder's retired model-config hashes (old → current); empty if none."""
+    file = Path(artifacts_dir) / RETIRED_HASHES
+    return json.loads(file.read_text()) if file.is_file() else {}
+
+
+def current_metadata(metadata: dict, retired: dict[str, str]) -> dict:
+    """An artifact's metadata as today's code writes it: a retired config hash replaced."""
+    old = metadata.get("model_config_hash")
+    return {**metadata, "model_config_hash": retired[old]} if old in retired else metadata
+
+
+def artifact_path(directory: Path, expected: dict[str, str], retired: dict[str, str]) -> Path:
+    """Where the artifact for `expected` is: named by its metadata's hash, or by the hash its
+    metadata had under a retired config hash if such a file exists."""
+    current = Path(directory) / f"{stable_hash(expected, 16)}.safetensors"
+    for old, new in sorted(retired.items()):
+        legacy = current.with_name(
+            f"{stable_hash({**expected, 'model_config_hash': old}, 16)}.safetensors"
+        )
+        if new == expected.get("model_config_hash") and legacy.is_file():
+            return legacy
+    return current
+
+
+def read_metadata(path: str | Path, retired: dict[str, str]) -> dict[str, str]:
+    """A saved artifact's metadata (its safetensors header alone), as `current_metadata`."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return current_metadata(f.metadata() or {}, retired)
 
 
 @dataclass
@@ -112,12 +152,12 @@ def save_artifact(result: MethodResult, path: str | Path) -> None:
     save_file({k: v.detach().cpu() for k, v in tensors.items()}, str(path), metadata=metadata)
 
 
-def load_artifact(path: str | Path, expected: dict[str, str]) -> MethodResult:
-    """Load an artifact, stopping if any `expected` metadata field differs."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as f:
-        metadata = f.metadata() or {}
+def load_artifact(
+    path: str | Path, expected: dict[str, str], retired: dict[str, str] | None = None
+) -> MethodResult:
+    """Load an artifact, stopping if any `expected` metadata field differs (a retired config hash
+    read as its current one)."""
+    metadata = read_metadata(path, retired or {})
     for key, value in expected.items():
         if metadata.get(key) != str(value):
             raise ArtifactMismatchError(

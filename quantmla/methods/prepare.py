@@ -18,7 +18,14 @@ import torch
 from quantmla.calibration.context import CalibrationContext
 from quantmla.config import CALIBRATION_HASH_NEUTRAL, calibrated_rope_online, calibration_seqlen
 from quantmla.data import calibration_split, load_text, tokenize
-from quantmla.methods.base import ArtifactMismatchError, MethodJob, load_artifact, save_artifact
+from quantmla.methods.base import (
+    ArtifactMismatchError,
+    MethodJob,
+    artifact_path,
+    load_artifact,
+    retired_config_hashes,
+    save_artifact,
+)
 from quantmla.methods.registry import METHODS
 from quantmla.methods.reuse import MAGNITUDE, assemble, needed_units, reuse_report, saved_units
 from quantmla.models.capture import capture_inputs
@@ -29,6 +36,16 @@ from quantmla.tracking.store import stable_hash
 def tensor_sha(t: torch.Tensor) -> str:
     """16 hex digits of sha256 over the tensor's bytes: which token ids an artifact was made from."""
     return hashlib.sha256(t.cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+# config fields that name the checkout or the library, not the model
+CHECKOUT_FIELDS = ("_name_or_path", "transformers_version")
+
+
+def config_sha(config) -> str:
+    """16 hex digits naming a model config whatever folder it was loaded from (an artifact keyed
+    on the checkout's path was missed by every other clone of the repository)."""
+    return stable_hash({k: v for k, v in config.to_dict().items() if k not in CHECKOUT_FIELDS}, 16)
 
 
 def calibration_sequences(cfg, paths, tokenizer) -> tuple[torch.Tensor, int]:
@@ -61,7 +78,7 @@ def artifact_metadata(
     fixed_range = any(s.fixed_range("content") for s in specs)
     return {
         "model": cfg.model.path,
-        "model_config_hash": stable_hash(model.config.to_dict(), 16),
+        "model_config_hash": config_sha(model.config),
         "weights": str(weights),
         "precision": specs[0].precision
         if uniform
@@ -90,17 +107,18 @@ def prepare_method(
     cal = cfg.method.calibration
     sequences, n_calibration = calibration_sequences(cfg, paths, tokenizer)
     expected = artifact_metadata(cfg, model, specs, tensor_sha(sequences), weights)
+    retired = retired_config_hashes(paths.artifacts_dir)
     if cfg.method.artifact:  # given by the user: always loaded, never overwritten
         path = paths.resolve(cfg.method.artifact)
         if not path.is_file():
             raise ArtifactMismatchError(f"method.artifact={cfg.method.artifact!r} does not exist")
         print(f"[quantmla] loading {method.name} artifact {path}")
-        return load_artifact(path, expected)
-    path = paths.artifacts_dir / method.name / f"{stable_hash(expected, 16)}.safetensors"
+        return load_artifact(path, expected, retired)
+    path = artifact_path(paths.artifacts_dir / method.name, expected, retired)
     if path.is_file():  # force=true recomputes the record, not a fit its metadata pins: delete it
         print(f"[quantmla] loading {method.name} artifact {path}")
-        return load_artifact(path, expected)
-    units = saved_units(path.parent, expected, specs) if cal.reuse_units else {}
+        return load_artifact(path, expected, retired)
+    units = saved_units(path.parent, expected, specs, retired) if cal.reuse_units else {}
     needed = needed_units(specs)
     if units:
         sources = ", ".join(f"{len(u)} from {f}" for f, u in reuse_report(units).items())

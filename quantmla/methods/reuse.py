@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantmla.errors import ConfigError
-from quantmla.methods.base import MethodResult, load_artifact
+from quantmla.methods.base import MethodResult, load_artifact, read_metadata
 from quantmla.spec import PATHS, QuantizerSpec
 from quantmla.transforms import ContentTransform, LayerTransforms, RopeTransform
 
@@ -63,18 +63,20 @@ def _reported(report: dict, field: str, layer: int, path: str):
     return entries[layer].get(path) if layer < len(entries) else None
 
 
-def saved_units(directory: Path, expected: dict[str, str], specs: list[QuantizerSpec]) -> dict:
+def saved_units(
+    directory: Path,
+    expected: dict[str, str],
+    specs: list[QuantizerSpec],
+    retired: dict[str, str] | None = None,
+) -> dict:
     """Every unit of this run that an artifact in `directory` holds under the same shared
-    metadata (`expected` but its precision and quantizer, and the other path's own settings),
-    the first file by name for each."""
-    from safetensors import safe_open
-
+    metadata (`expected` but its precision and quantizer, and the other path's own settings; a
+    retired config hash read as its current one), the first file by name for each."""
     wanted, found = needed_units(specs), {}
     skipped = (*PER_RUN, "calibration", *MAGNITUDE)
     shared = {k: str(v) for k, v in expected.items() if k not in skipped}
     for file in sorted(Path(directory).glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            metadata = f.metadata() or {}
+        metadata = read_metadata(file, retired or {})
         if any(metadata.get(k) != v for k, v in shared.items()):
             continue
         theirs = _artifact_specs(metadata, len(specs))
@@ -96,7 +98,7 @@ def saved_units(directory: Path, expected: dict[str, str], specs: list[Quantizer
         ]
         if not held:
             continue
-        result = load_artifact(file, shared)
+        result = load_artifact(file, shared, retired)
         for layer, path in held:
             transform = getattr(result.layers[layer], path)
             if transform is not None:
