@@ -140,10 +140,20 @@ def test_artifact_round_trip_and_mismatch(tmp_path):
         and back.report == {"loss": [1.0]}
         and back.layers[1].content is None
     )
+    assert back.metadata == meta  # as saved: its key is the fitted result's
     assert torch.equal(back.layers[0].content.rotation, layers[0].content.rotation)
     assert torch.equal(back.layers[1].rope.scales, layers[1].rope.scales)
     with pytest.raises(ArtifactMismatchError, match="precision='c4r4' but this run needs 'c2r4'"):
         load_artifact(path, {**meta, "precision": "c2r4"})
+    # a config hash older code wrote loads where it is retired, read as its current one
+    older = tmp_path / "older.safetensors"
+    save_artifact(
+        MethodResult("quantmla", layers, None, {**meta, "model_config_hash": "old"}), older
+    )
+    today = {**meta, "model_config_hash": "new"}
+    with pytest.raises(ArtifactMismatchError, match="model_config_hash='old'"):
+        load_artifact(older, today)
+    assert load_artifact(older, today, {"old": "new"}).metadata == today
     # an identity rotation (SmoothQuant†'s) is left out of the file and comes back as the identity
     scale = torch.rand(8, dtype=torch.float64) + 0.5
     smooth = [LayerTransforms(ContentTransform(torch.eye(8, dtype=torch.float64), scale), None)]

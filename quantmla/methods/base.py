@@ -177,7 +177,9 @@ def load_artifact(
                 tensors[f"layers.{i}.rope.angles"], tensors[f"layers.{i}.rope.scales"]
             )
         layers.append(LayerTransforms(content, rope))
-    core = {"method", "n_layers", "rope_online", "report"}
+    # what save_artifact adds; the rest (`method` too) is what it was saved with, so the artifact's
+    # key (stable_hash of it) is the same whether it was loaded or fitted (an export's manifest)
+    core = {"n_layers", "rope_online", "report"}
     return MethodResult(
         metadata["method"],
         layers,
