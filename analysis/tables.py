@@ -194,8 +194,8 @@ LAYOUTS = {
         changed=SMOL_FEWSHOT,
         paired=("gsm8k_reference",),
     ),
-    # the C2R4 baselines with one path quantized (c2r16: content only, c16r4: RoPE only) beside
-    # both (the Table 1 twin's C2R4 rows)
+    # the baselines with one path quantized (c2r16, c4r16: content only; c16r4: RoPE only) beside
+    # both (the Table 1 twin's C2R4 and C4R4 rows)
     "smol_path_split": Layout(
         "smol_path_split",
         (
@@ -204,7 +204,7 @@ LAYOUTS = {
             *_paired_columns(("gsm8k_reference",)),
         ),
         also=("smol_table1",),
-        precisions=("bf16", "c2r4", "c2r16", "c16r4"),
+        precisions=("bf16", "c2r4", "c2r16", "c16r4", "c4r4", "c4r16"),
         paired=("gsm8k_reference",),
     ),  # fmt: skip
     # the same cells' perplexity and NMSE on GSM8K's question-and-answer text (its first 4 windows)

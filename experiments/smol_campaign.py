@@ -277,7 +277,8 @@ JOBS = (
     # meaningful with e08bd5a: its tensor scale 1.0 needs the latent's magnitude)
     Job("Frontier, 8-bit formats, QuantMLA", "QuantMLA on vLLM fp8 (E4M3 at tensor scale 1.0 on "
         "both paths), grouped E4M3 with a BF16 key (fp8_ds_mla's values) and C8R8",
-        "not measured: a content fit each (~1 h), the RoPE units held (job 21's E4M3, job 40's INT8)",
+        "a content fit each, the RoPE units held (job 21's E4M3, job 40's INT8): 74-130 min a cell "
+        "beside one or two jobs (ce4m3r16: capture 6, α 4, 300 steps 63, selection 8)",
         ("experiment=smol_frontier", "precision=ce4m3tre4m3t,ce4m3r16,c8r8", "method=quantmla",
          "method.calibration.seqlen=512")),
     # since e08bd5a the baselines' content scales start at the latent's magnitude too, so their
@@ -360,8 +361,7 @@ JOBS = (
     # not separated; the whole test set (1,319) shrinks the standard error about 2.3x
     Job("GSM8K reference solutions, whole test set, C4R4", "the C4R4 GSM8K claim row over all "
         "1,319 test documents (job 60's task and prompt; its own experiment, so no table pairs "
-        "records of different document sets)", "not measured: ~17-36 min a cell (job 60's 250 "
-        "documents scaled)",
+        "records of different document sets)", "30-33 min a cell beside a QuantMLA fit",
         (*SUITE, "experiment_name=smol_gsm8k_full", "eval.tasks=[gsm8k_reference]",
          "precision=bf16,c4r4", "method=quantmla,rtn,quarot,smoothquant")),
     # job 48: mixed QuantMLA at 152 B beats uniform C2R8 there; the other uniform format at 152 B
@@ -370,6 +370,14 @@ JOBS = (
         "not measured: ~5-15 min",
         ("experiment=smol_frontier", "precision=c3r4", "method=quantmla",
          "method.calibration.seqlen=512")),
+    # job 65: over all 1,319 documents SmoothQuant† is ahead of QuantMLA at C4R4 (−0.0021 ± 0.0005
+    # bits/byte) while its RoPE key alone (C16R4, job 62) is behind QuantMLA's: the latent alone
+    Job("GSM8K reference solutions per path, C4R4", "job 60's C4R4 rows with the INT4 latent alone "
+        "(C4R16; the RoPE key alone is job 62's C16R4), every method (C4R4's units: nothing fitted)",
+        "~6 min a cell beside a QuantMLA fit",
+        ("experiment=smol_table1", "experiment_name=smol_path_split", "eval=table1_suite",
+         "eval.tasks=[gsm8k_reference]", "eval.limit=250", "precision=c4r16",
+         "method=quantmla,smoothquant,quarot,rtn")),
 )  # fmt: skip
 
 
