@@ -278,7 +278,7 @@ JOBS = (
     Job("Frontier, 8-bit formats, QuantMLA", "QuantMLA on vLLM fp8 (E4M3 at tensor scale 1.0 on "
         "both paths), grouped E4M3 with a BF16 key (fp8_ds_mla's values) and C8R8",
         "a content fit each, the RoPE units held (job 21's E4M3, job 40's INT8): 74-130 min a cell "
-        "beside one or two jobs (ce4m3r16: capture 6, α 4, 300 steps 63, selection 8)",
+        "beside one or two jobs (ce4m3r16: capture 6, α 4, 300 steps 63, selection 8; c8r8 85)",
         ("experiment=smol_frontier", "precision=ce4m3tre4m3t,ce4m3r16,c8r8", "method=quantmla",
          "method.calibration.seqlen=512")),
     # since e08bd5a the baselines' content scales start at the latent's magnitude too, so their
