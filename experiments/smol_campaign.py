@@ -278,7 +278,7 @@ JOBS = (
     Job("Frontier, 8-bit formats, QuantMLA", "QuantMLA on vLLM fp8 (E4M3 at tensor scale 1.0 on "
         "both paths), grouped E4M3 with a BF16 key (fp8_ds_mla's values) and C8R8",
         "a content fit each, the RoPE units held (job 21's E4M3, job 40's INT8): 74-130 min a cell "
-        "beside one or two jobs (ce4m3r16: capture 6, α 4, 300 steps 63, selection 8; c8r8 85)",
+        "beside one or two jobs (ce4m3r16: capture 6, α 4, 300 steps 63, selection 8; c8r8: 85 min)",
         ("experiment=smol_frontier", "precision=ce4m3tre4m3t,ce4m3r16,c8r8", "method=quantmla",
          "method.calibration.seqlen=512")),
     # since e08bd5a the baselines' content scales start at the latent's magnitude too, so their
@@ -374,7 +374,7 @@ JOBS = (
     # bits/byte) while its RoPE key alone (C16R4, job 62) is behind QuantMLA's: the latent alone
     Job("GSM8K reference solutions per path, C4R4", "job 60's C4R4 rows with the INT4 latent alone "
         "(C4R16; the RoPE key alone is job 62's C16R4), every method (C4R4's units: nothing fitted)",
-        "~6 min a cell beside a QuantMLA fit",
+        "6-8 min a cell beside a QuantMLA fit",
         ("experiment=smol_table1", "experiment_name=smol_path_split", "eval=table1_suite",
          "eval.tasks=[gsm8k_reference]", "eval.limit=250", "precision=c4r16",
          "method=quantmla,smoothquant,quarot,rtn")),
