@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from analysis import probes, ruler_answer, sensitivity, throughput
+from analysis import path_split, probes, ruler_answer, sensitivity, throughput
 from analysis.common import changed_documents, paired_change
 
 # each testbed's model and the experiments its claims read (a shared one is filtered by model)
@@ -281,9 +281,11 @@ REFERENCE_RUN = f"eval=table1_suite eval.tasks=[{REFERENCE}] eval.limit=250"
 def reference_margin(precision: str) -> Callable[..., Verdict]:
     """QuantMLA against the best same-precision baseline on GSM8K's reference solutions: their bits
     per byte through each cache, the difference paired over the documents (lower is better) — over
-    the whole test set (`whole`: its own experiment's records) where every cell has it."""
+    the whole test set (`whole`: its own experiment's records) where every cell has it; a miss
+    names whether each of the two methods' paths add up (the path split's records, `split`)."""
 
-    def measure(records, experiment, whole=()) -> Verdict:
+    def measure(records, experiment, whole=(), split=()) -> Verdict:
+        by_document = records
         key = f"docs/{REFERENCE}"
         wanted = [("bf16", None), *((precision, m) for m in (*BASELINES, "quantmla"))]
         if all(_cell(whole, p, m, [key]) is not None for p, m in wanted):
@@ -306,9 +308,26 @@ def reference_margin(precision: str) -> Callable[..., Verdict]:
         if apart > Z and d < 0:
             return Verdict(value, True, ranked)
         side = "behind" if d > 0 else "ahead"
-        return Verdict(value, False, f"{side} by {apart:.1f} standard errors; {ranked}")
+        why = f"{side} by {apart:.1f} standard errors; {ranked}"
+        return Verdict(value, False, why + _paths_added(precision, best, [*by_document, *split]))
 
     return measure
+
+
+def _paths_added(precision: str, best: str, records: list[dict]) -> str:
+    """QuantMLA's and `best`'s interaction of the two paths on GSM8K's reference solutions
+    (path_split: CxR4 − CxR16 − C16R4 + BF16, paired per document); "" where a cell is missing."""
+    if precision not in path_split.SPLITS:
+        return ""
+    cells = path_split.cells_of(records)
+    found = {
+        m: path_split.measured(cells, precision, m, f"docs/{REFERENCE}") for m in ("quantmla", best)
+    }
+    if None in found.values() or any(se is None for _, se, _ in found.values()):
+        return ""
+    shown = ", ".join(f"{LABEL[m]} {mean:+.4f} ± {se:.4f}" for m, (mean, se, _) in found.items())
+    formula = " − ".join(p.upper() for p in (precision, *path_split.SPLITS[precision]))
+    return f"; the paths' interaction {formula} + BF16 (below 0: they cost less together): {shown}"
 
 
 def _reference_order(records: list[dict], precision: str, task: str = REFERENCE) -> str:
@@ -567,7 +586,7 @@ CLAIMS = (
     *(Claim(f"On GSM8K, {p.upper()} QuantMLA above the best same-precision baseline (testbeds: "
             "its reference solutions' bits per byte through the cache, lower by more than "
             f"{Z} standard errors, paired)", paper, "table1", reference_margin(p),
-            also=("reference_full",))
+            also=("reference_full", "path_split"))
       for p, paper in (("c4r4", "GSM8K 35.25 vs QuaRot† 30.71 (DeepSeek-V2-Lite)"),
                        ("c2r4", "+7.20 / +10.84 points (the average)"))),
     Claim("Ranking RTN < SmoothQuant† < QuaRot† < QuantMLA (testbeds: C2R4 ppl)",

@@ -378,10 +378,11 @@ def test_a_precision_off_the_paper_lists_only_the_methods_it_has():
     assert [m for p, m in listed if p == "C4R8"] == ["QuantMLA"]
 
 
-def test_path_interaction_is_c2r4_minus_each_path_alone_plus_bf16_paired_per_item():
-    """Per window: C2R4 − C2R16 − C16R4 + BF16, mean ± sample-std/√n, and its share of the two
-    paths' summed change; NMSE without a BF16 term, by the dataset of its windows; an extension's
-    variant, another model or unmatched windows leave a cell out."""
+def test_path_interaction_is_cxr4_minus_each_path_alone_plus_bf16_paired_per_item():
+    """Per window: C2R4 − C2R16 − C16R4 + BF16 (C4R4's with C4R16), mean ± sample-std/√n, and its
+    share of the two paths' summed change; NMSE without a BF16 term, by the dataset of its windows;
+    an extension's variant, another model or unmatched windows leave a cell out, a row of none
+    is left out."""
     from analysis.path_split import interaction_rows
 
     def rec(precision, method, experiment="smol_path_split", datasets=("wikitext2",), **metrics):
@@ -414,8 +415,14 @@ def test_path_interaction_is_c2r4_minus_each_path_alone_plus_bf16_paired_per_ite
     short = rec("c2r4", "rtn", **{"nll_windows/wikitext2": [3.0, 3.0]})  # 2 windows, not 3
     alone = [rec(p, "rtn", **{"nll_windows/wikitext2": [2.5] * 3}) for p in ("c2r16", "c16r4")]
     records += [variant, other, short, *alone]
+    c4 = {"c4r4": [2.3, 2.6, 2.5], "c4r16": [2.1, 2.3, 2.5], "c16r4": [2.1, 2.3, 2.5]}
+    records += [rec(p, "quantmla", **{"nll_windows/wikitext2": v}) for p, v in c4.items()]
     header, *body = interaction_rows(records)
-    rows = {r[0]: dict(zip(header, r)) for r in body}
+    rows = {(r[0], r[1]): dict(zip(header, r)) for r in body}
+    c4r4 = rows.pop(("QuantMLA", "C4R4"))  # per window 0.1, 0.2, -0.1; the paths' sum 0.2 each
+    c4_se = (0.07 / 3) ** 0.5 / 3**0.5
+    assert c4r4["WikiText-2 ppl (Δ ln × 100)"] == f"{20 / 3:+.2f} ± {100 * c4_se:.2f} (+33 %)"
+    rows = {method: row for (method, cache), row in rows.items() if cache == "C2R4"}
     excess = [0.1, 0.1, 0.2]  # c2r4 − c2r16 − c16r4 + bf16 per window
     mean, se = 0.4 / 3, (sum((x - 0.4 / 3) ** 2 for x in excess) / 2) ** 0.5 / 3**0.5
     share = 100 * mean / ((0.5 + 0.4 + 0.6) / 3 + (0.1 + 0.1 + 0.1) / 3)
@@ -423,4 +430,4 @@ def test_path_interaction_is_c2r4_minus_each_path_alone_plus_bf16_paired_per_ite
     assert rows["SmoothQuant†"][wikitext] == f"{100 * mean:+.2f} ± {100 * se:.2f} ({share:+.0f} %)"
     assert rows["SmoothQuant†"][nmse.format("GSM8K text")] == f"{0.007:+.2e} ({700 / 73:+.0f} %)"
     assert rows["SmoothQuant†"][nmse.format("WikiText-2")] == "—"  # no WikiText-2 NMSE records
-    assert rows["RTN"][wikitext] == "—" and "QuaRot†" not in rows
+    assert "RTN" not in rows and "QuaRot†" not in rows  # unmatched windows; another model

@@ -486,6 +486,31 @@ def test_gsm8k_margin_reads_the_whole_test_set_where_every_cell_has_it():
     assert smol_column(claims_rows(records), "On GSM8K, C4R4")[0].endswith("; 250 documents)")
 
 
+def test_a_gsm8k_miss_names_whether_each_methods_paths_add_up():
+    """Behind the best baseline, the row gives QuantMLA's and that baseline's interaction over the
+    250 documents: C4R4 − C4R16 − C16R4 + BF16, paired, from the path split's records."""
+    rng = np.random.default_rng(4)
+    base = rng.uniform(0.6, 1.2, 250)
+    level = {("bf16", "rtn"): 0.0, ("c4r4", "rtn"): 0.02, ("c4r4", "smoothquant"): 0.001,
+             ("c4r4", "quarot"): 0.006, ("c4r4", "quantmla"): 0.003}  # fmt: skip
+    table = {c: base + v + rng.normal(0, 0.001, 250) for c, v in level.items()}
+    split = {(p, m): base + v + rng.normal(0, 0.001, 250)
+             for p, v in (("c4r16", 0.002), ("c16r4", 0.003)) for m in ("smoothquant", "quantmla")}  # fmt: skip
+    records = reference_records(table) + reference_records(split, "smol_path_split")
+    _, verdict = smol_column(claims_rows(records), "On GSM8K, C4R4")
+    shown = []
+    for m, label in (("quantmla", "QuantMLA"), ("smoothquant", "SmoothQuant†")):
+        x = table[("c4r4", m)] - split[("c4r16", m)] - split[("c16r4", m)] + table[("bf16", "rtn")]
+        shown.append(f"{label} {x.mean():+.4f} ± {x.std(ddof=1) / np.sqrt(x.size):.4f}")
+    assert verdict.startswith("**no**: behind by") and verdict.endswith(
+        "; the paths' interaction C4R4 − C4R16 − C16R4 + BF16 (below 0: they cost less together): "
+        + ", ".join(shown)
+    )
+    del split[("c16r4", "smoothquant")]  # the baseline's RoPE key alone missing: nothing said
+    records = reference_records(table) + reference_records(split, "smol_path_split")
+    assert "interaction" not in smol_column(claims_rows(records), "On GSM8K, C4R4")[1]
+
+
 def test_perplexity_rows_read_the_full_sets_where_every_cell_has_them():
     """The full sets' 2,048-token records replace the first windows' per row when complete; their
     4,096-token records never enter a 2,048 row."""
