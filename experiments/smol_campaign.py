@@ -104,7 +104,7 @@ JOBS = (
         ("experiment=smol_table5_probes",)),
     Job("full sets", "Table 1 twin's perplexity on the full sets at 2,048 and 4,096",
         "~15 min a cell at 2,048 (221 windows; a C2R4 window ~3.4 s alone); at 4,096 (110 windows) "
-        "72-74 min a cell with one thread beside another (69-72 CPU-minutes)",
+        "70-74 min a cell with one thread beside another (69-72 CPU-minutes)",
         ("experiment=smol_table1_full",)),
     Job("few-shot C4R4", "Table 1 twin's few-shot columns at C4R4 (QuantMLA's first: the "
         "accuracy-parity claim)", "~30 min a cell",
